@@ -1,0 +1,98 @@
+"""The public entry points: ``optimize``, ``trace`` and the device checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .errors import DeviceError, TrainingModeError
+from .graph import Graph
+from .options import Options, default_cache_dir
+
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def available_backends() -> list[str]:
+    """The devices that can run here, each with what generates its kernels."""
+    from .backends import describe_available
+
+    return describe_available()
+
+
+def resolve_device(device: str | torch.device) -> str:
+    """ "cpu", "cuda" or "auto" -> the device to run on; errors list what exists here."""
+    name = str(device)
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = name.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise DeviceError(
+            f"unknown device {name!r}; choose one of {', '.join(DEVICES)}. Backends available "
+            f"here: {'; '.join(available_backends())}"
+        )
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(
+            f"device={name!r} but no CUDA device exists on this machine (torch.cuda.is_available() "
+            f"is False). Backends available here: {'; '.join(available_backends())}"
+        )
+    return name
+
+
+def optimize(
+    model: nn.Module,
+    device: str = "cpu",
+    example_inputs: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    cache_dir: str | Path | None = None,
+    **options: object,
+) -> OptimizedModule:
+    """Make ``model`` faster and leaner; returns an ``OptimizedModule`` with the same outputs.
+
+    ``device``: "cpu", "cuda" or "auto". Without ``example_inputs`` the model is traced on
+    the first call. Further settings (``disable_passes``, ``debug_dir``, ``strict``,
+    ``layout``, ``fuse``, ...) are the fields of :class:`middleware.Options`.
+    The original model is never modified.
+    """
+    from .compiler import compile_model
+    from .runtime.module import OptimizedModule
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize() takes a torch.nn.Module, got {type(model).__name__}")
+    if model.training:
+        raise TrainingModeError(
+            f"{type(model).__name__} is in training mode; training is not yet supported. "
+            "Call model.eval() before optimize()"
+        )
+    fields = {f.name for f in dataclasses.fields(Options)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown}; options are: {', '.join(sorted(fields))}")
+    opts = dict(options)
+    if "disable_passes" in opts:
+        opts["disable_passes"] = tuple(opts["disable_passes"])  # type: ignore[arg-type]
+    if opts.get("debug_dir") is not None:
+        opts["debug_dir"] = Path(opts["debug_dir"])  # type: ignore[arg-type]
+    resolved = resolve_device(device)
+    if resolved.startswith("cuda"):
+        from .backends.cuda import check_cuda_runtime
+
+        check_cuda_runtime()
+    o = Options(
+        device=resolved, cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(), **opts
+    )  # type: ignore[arg-type]
+    return OptimizedModule(model, o, compile_model, example_inputs)
+
+
+def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor) -> Graph:
+    """Lower ``model`` on ``example_inputs`` into the middleware's framework-neutral graph."""
+    from .frontends import trace as _trace
+
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    return _trace(model, example_inputs)
+
+
+from .runtime.module import OptimizedModule  # noqa: E402  (for the annotation above)

@@ -1,0 +1,73 @@
+"""The pipeline glue: framework model -> graph -> passes -> plan (+ report)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from .frontends import trace
+from .graph import Graph
+from .ops import get_op
+from .options import Options
+from .passes import run_passes
+from .runtime.module import Compiled
+from .runtime.plan import build_plan
+from .runtime.report import Report, ReportRow, node_cost
+
+
+def compile_model(model: nn.Module, inputs: Sequence[torch.Tensor], options: Options) -> Compiled:
+    """Trace ``model`` on ``inputs``, run the passes and build the plan for this signature."""
+    graph = trace(model, inputs)
+    return compile_graph(graph, options)
+
+
+def compile_graph(graph: Graph, options: Options) -> Compiled:
+    device = torch.device(options.device)
+    graph = run_passes(graph, options)
+    graph = _fallbacks_on(graph, device)
+    plan = build_plan(graph, device)
+    return Compiled(graph, plan, make_report(graph, plan))
+
+
+def _fallbacks_on(graph: Graph, device: torch.device) -> Graph:
+    """Fallback modules that live on another device than the plan run on a copy moved there
+    (the user's model itself is never moved)."""
+    for n in list(graph.nodes()):
+        mod = n.payload
+        if n.op == "fallback" and isinstance(mod, nn.Module):
+            p = next(iter(mod.parameters()), None) or next(iter(mod.buffers()), None)
+            if p is not None and p.device != device:
+                graph = graph.copy() if graph is not None else graph
+                graph.replace_node(n.name, n.replace(payload=copy.deepcopy(mod).to(device)))
+    return graph
+
+
+def make_report(graph: Graph, plan) -> Report:  # noqa: ANN001 - Plan, avoiding a cycle
+    step_of = {}
+    for st in plan.steps:
+        for name in st.nodes:
+            step_of[name] = st
+    rows = []
+    for n in graph.nodes():
+        st = step_of.get(n.name)
+        flops, nbytes = node_cost(graph, n.name)
+        bound = n.bound or str(get_op(n.op).bound)
+        rows.append(
+            ReportRow(
+                node=n.name,
+                op=n.op,
+                bound=bound,
+                group=n.group,
+                runs_as=st.runs_as if st else "vendor",
+                reason=(st.reason if st else "") or str(n.attrs.get("reason", ""))
+                if n.op == "fallback"
+                else (st.reason if st and st.runs_as == "fallback" else ""),
+                source=n.source,
+                flops=flops,
+                bytes=nbytes,
+            )
+        )
+    return Report(tuple(rows))

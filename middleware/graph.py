@@ -1,0 +1,349 @@
+"""The framework-neutral graph: values with types, nodes holding one op each, named constants.
+
+A :class:`Graph` wraps a ``networkx.DiGraph`` whose vertices are node names and whose
+edges run from a producer node to each consumer node. Each vertex holds one frozen
+:class:`Node` record. Values (graph inputs, parameters and node outputs) are named by
+strings and typed by :class:`TensorType`. Parameters are numpy arrays: no framework object
+lives in a graph except the opaque callable of a fallback node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import networkx as nx
+import numpy as np
+
+LAYOUTS = ("nchw", "nhwc")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorType:
+    """Shape, element type and memory layout of one value.
+
+    ``layout`` is the memory order of a 4-d value: "nchw" (contiguous) or "nhwc"
+    (channels_last); other ranks are always "nchw" (row-major).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    layout: str = "nchw"
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def __str__(self) -> str:
+        dims = "x".join(str(s) for s in self.shape) or "scalar"
+        lay = f",{self.layout}" if self.rank == 4 and self.layout != "nchw" else ""
+        return f"{self.dtype}[{dims}{lay}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One operation: a catalogue op applied to input values, producing output values.
+
+    ``attrs`` holds plain Python values (ints, floats, tuples, strings). ``bound`` and
+    ``group`` are filled in by the classify and group passes. ``source`` names the layer
+    of the original model the node came from (for reports and generated code).
+    ``payload`` is only used by fallback nodes: the original framework callable.
+    """
+
+    name: str
+    op: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    bound: str | None = None
+    group: int | None = None
+    source: str = ""
+    payload: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def replace(self, **changes: Any) -> Node:
+        return dataclasses.replace(self, **changes)
+
+
+class Graph:
+    """A dataflow graph of :class:`Node` records over named, typed values.
+
+    Nodes are kept in a topological order (the order they were added in, which the
+    frontend and every pass keep topological). ``output_tree`` is the structure the
+    original model returned (a value name, or nested tuples/lists/dicts of them).
+    """
+
+    def __init__(self) -> None:
+        self._g = nx.DiGraph()
+        self._order: list[str] = []
+        self.values: dict[str, TensorType] = {}
+        self.params: dict[str, np.ndarray] = {}
+        self.inputs: list[str] = []
+        self.output_tree: Any = None
+        self._producer: dict[str, str] = {}
+        self.meta: dict[str, Any] = {}
+
+    # ----------------------------------------------------------------- building
+    def add_input(self, name: str, ttype: TensorType) -> str:
+        self._check_new_value(name)
+        self.values[name] = ttype
+        self.inputs.append(name)
+        return name
+
+    def add_param(self, name: str, array: np.ndarray, layout: str = "nchw") -> str:
+        self._check_new_value(name)
+        array = np.asarray(array)
+        self.params[name] = array
+        self.values[name] = TensorType(tuple(array.shape), str(array.dtype), layout)
+        return name
+
+    def add_node(self, node: Node, out_types: Sequence[TensorType]) -> Node:
+        if node.name in self._g:
+            raise ValueError(f"duplicate node name {node.name!r}")
+        if len(out_types) != len(node.outputs):
+            raise ValueError(
+                f"node {node.name}: {len(node.outputs)} outputs, {len(out_types)} types"
+            )
+        for v in node.inputs:
+            if v not in self.values:
+                raise ValueError(f"node {node.name} reads unknown value {v!r}")
+        for v, t in zip(node.outputs, out_types, strict=True):
+            self._check_new_value(v)
+            self.values[v] = t
+            self._producer[v] = node.name
+        self._g.add_node(node.name, node=node)
+        self._order.append(node.name)
+        for v in node.inputs:
+            p = self._producer.get(v)
+            if p is not None:
+                self._g.add_edge(p, node.name)
+        return node
+
+    def set_outputs(self, tree: Any) -> None:
+        for v in flatten_tree(tree):
+            if v not in self.values:
+                raise ValueError(f"output {v!r} is not a value of the graph")
+        self.output_tree = tree
+
+    def _check_new_value(self, name: str) -> None:
+        if name in self.values:
+            raise ValueError(f"value {name!r} defined twice")
+
+    def fresh_name(self, base: str) -> str:
+        """A value or node name not used yet, derived from ``base``."""
+        if base not in self.values and base not in self._g:
+            return base
+        i = 1
+        while f"{base}_{i}" in self.values or f"{base}_{i}" in self._g:
+            i += 1
+        return f"{base}_{i}"
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def nx(self) -> nx.DiGraph:
+        """The underlying networkx graph (vertices: node names; read-only use)."""
+        return self._g
+
+    def nodes(self) -> Iterator[Node]:
+        for name in self._order:
+            yield self._g.nodes[name]["node"]
+
+    def node(self, name: str) -> Node:
+        return self._g.nodes[name]["node"]
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def producer(self, value: str) -> Node | None:
+        name = self._producer.get(value)
+        return None if name is None else self.node(name)
+
+    def consumers(self, value: str) -> list[Node]:
+        p = self._producer.get(value)
+        if p is None:  # graph input or parameter: scan
+            return [n for n in self.nodes() if value in n.inputs]
+        return [
+            self.node(s)
+            for s in self._order_of(self._g.successors(p))
+            if value in self.node(s).inputs
+        ]
+
+    def _order_of(self, names: Iterator[str]) -> list[str]:
+        pos = {n: i for i, n in enumerate(self._order)} if len(self._order) < 64 else None
+        names = list(names)
+        if pos is None:
+            index = self._index()
+            return sorted(names, key=index.__getitem__)
+        return sorted(names, key=pos.__getitem__)
+
+    def _index(self) -> dict[str, int]:
+        cached = self.meta.get("_index")
+        if cached is None or cached[0] != len(self._order):
+            cached = (len(self._order), {n: i for i, n in enumerate(self._order)})
+            self.meta["_index"] = cached
+        return cached[1]
+
+    def output_values(self) -> list[str]:
+        return list(flatten_tree(self.output_tree))
+
+    def is_param(self, value: str) -> bool:
+        return value in self.params
+
+    def uses(self, value: str) -> int:
+        """How many times ``value`` is read: by nodes, plus once per appearance in the outputs."""
+        n = sum(node.inputs.count(value) for node in self.consumers(value))
+        return n + self.output_values().count(value)
+
+    # ----------------------------------------------------------------- copying
+    def copy(self) -> Graph:
+        """A new graph with the same records (records are frozen; arrays are shared, never written)."""
+        g = Graph()
+        g._g = self._g.copy()
+        g._order = list(self._order)
+        g.values = dict(self.values)
+        g.params = dict(self.params)
+        g.inputs = list(self.inputs)
+        g.output_tree = self.output_tree
+        g._producer = dict(self._producer)
+        g.meta = {k: v for k, v in self.meta.items() if not k.startswith("_")}
+        return g
+
+    def replace_node(self, name: str, node: Node) -> None:
+        """Swap the record of node ``name`` for ``node`` (same inputs and outputs)."""
+        old = self.node(name)
+        if old.inputs != node.inputs or old.outputs != node.outputs or old.name != node.name:
+            raise ValueError(
+                "replace_node keeps names, inputs and outputs; rebuild the graph instead"
+            )
+        self._g.nodes[name]["node"] = node
+
+    def rebuild(
+        self, nodes: Sequence[tuple[Node, Sequence[TensorType]]], keep_values: bool = True
+    ) -> Graph:
+        """A new graph with the same inputs, params and outputs but the given nodes.
+
+        Params that no node or output reads any longer are dropped.
+        """
+        g = Graph()
+        g.meta = {k: v for k, v in self.meta.items() if not k.startswith("_")}
+        for v in self.inputs:
+            g.add_input(v, self.values[v])
+        read = {v for n, _ in nodes for v in n.inputs} | set(flatten_tree(self.output_tree))
+        for p, arr in self.params.items():
+            if p in read:
+                g.add_param(p, arr, self.values[p].layout)
+        for n, types in nodes:
+            g.add_node(n, types)
+        g.set_outputs(self.output_tree)
+        return g
+
+    # --------------------------------------------------------------- printing
+    def text(self) -> str:
+        """The graph as readable text, one line per input, parameter summary and node."""
+        lines = []
+        for v in self.inputs:
+            lines.append(f"input  {v}: {self.values[v]}")
+        nparam = sum(a.size for a in self.params.values())
+        lines.append(f"params {len(self.params)} tensors, {nparam} elements")
+        for n in self.nodes():
+            outs = ", ".join(f"{v}: {self.values[v]}" for v in n.outputs)
+            ins = ", ".join(n.inputs)
+            attrs = ", ".join(f"{k}={_fmt(v)}" for k, v in n.attrs.items())
+            tag = ""
+            if n.bound is not None:
+                tag += f"  [{n.bound}"
+                tag += f" g{n.group}]" if n.group is not None else "]"
+            lines.append(f"{outs} = {n.op}({ins}{'; ' + attrs if attrs else ''}){tag}")
+        lines.append(f"return {_fmt_tree(self.output_tree)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def __repr__(self) -> str:
+        return f"<Graph {len(self)} nodes, {len(self.inputs)} inputs, {len(self.params)} params>"
+
+    # ------------------------------------------------------------- evaluating
+    def evaluate(self, *inputs: Any) -> Any:
+        """Run every node with its catalogue reference implementation (torch tensors in and out).
+
+        This is the reference interpreter used to test passes and kernels.
+        """
+        import torch
+
+        from .ops import get_op  # the catalogue needs the framework; imported lazily
+
+        if len(inputs) != len(self.inputs):
+            raise ValueError(f"graph takes {len(self.inputs)} inputs, got {len(inputs)}")
+        device = inputs[0].device if inputs else torch.device("cpu")
+        env: dict[str, Any] = dict(zip(self.inputs, inputs, strict=True))
+        for p, arr in self.params.items():
+            env[p] = torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+        for n in self.nodes():
+            fn = get_op(n.op).bind(n)
+            out = fn(*[env[v] for v in n.inputs])
+            if len(n.outputs) == 1:
+                env[n.outputs[0]] = out
+            else:
+                for v, o in zip(n.outputs, out, strict=True):
+                    env[v] = o
+        return map_tree(self.output_tree, env.__getitem__)
+
+
+def flatten_tree(tree: Any) -> Iterator[str]:
+    """The value names in a nested output structure, in order."""
+    if isinstance(tree, str):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for t in tree:
+            yield from flatten_tree(t)
+    elif isinstance(tree, dict):
+        for t in tree.values():
+            yield from flatten_tree(t)
+
+
+def map_tree(tree: Any, fn: Any) -> Any:
+    """Rebuild a nested output structure with every value name replaced by ``fn(name)``."""
+    if isinstance(tree, str):
+        return fn(tree)
+    if isinstance(tree, tuple):
+        items = [map_tree(t, fn) for t in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else tuple(items)
+    if isinstance(tree, list):
+        return [map_tree(t, fn) for t in tree]
+    if isinstance(tree, dict):
+        return type(tree)((k, map_tree(v, fn)) for k, v in tree.items())
+    return tree
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, tuple):
+        return "(" + ",".join(_fmt(x) for x in v) + ")"
+    return str(v)
+
+
+def _fmt_tree(tree: Any) -> str:
+    if isinstance(tree, str):
+        return tree
+    if isinstance(tree, (tuple, list)):
+        return "(" + ", ".join(_fmt_tree(t) for t in tree) + ")"
+    if isinstance(tree, dict):
+        return "{" + ", ".join(f"{k}: {_fmt_tree(v)}" for k, v in tree.items()) + "}"
+    return repr(tree)

@@ -1,0 +1,561 @@
+"""The op catalogue: the single place an op is described.
+
+Each :class:`OpDef` gives an op's default bound class, its reference implementation (the
+framework function used for fallback, for the reference interpreter and for tests), its
+shape rule, its FLOP count (for the roofline classification) and what the passes need to
+know about it (elementwise, monotone activation, ...). Loop semantics of I/O-bound ops for
+depth-first code generation live in ``middleware.loops``, keyed by the same op names.
+
+Adding an op means adding one entry to ``CATALOGUE`` (and a frontend mapping that lowers
+the framework's spellings of it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .errors import UnsupportedError
+from .graph import Node, TensorType
+
+
+class Bound(str, enum.Enum):
+    """What limits a node: activation traffic, weight traffic, or arithmetic."""
+
+    IO = "io"
+    PARAM = "param"
+    COMPUTE = "compute"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# A bound implementation: takes the node's input tensors, returns a tensor (one output) or a
+# tuple of tensors (several outputs).
+Kernel = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDef:
+    name: str
+    bound: Bound
+    make: Callable[[Node], Kernel]
+    # Elementwise over its (broadcast) inputs: output element i reads input element i.
+    elementwise: bool = False
+    # A monotone non-decreasing activation (commutes with max-pooling).
+    monotone: bool = False
+    # Does not compute anything (reshape-like, identity); may alias its input.
+    view_like: bool = False
+    # FLOPs per output element for simple ops; ``flops_fn`` overrides.
+    flops_per_elem: float = 1.0
+    flops_fn: Callable[[Node, Sequence[TensorType], Sequence[TensorType]], float] | None = None
+
+    def bind(self, node: Node) -> Kernel:
+        """The reference implementation specialised to ``node``'s attributes."""
+        return self.make(node)
+
+    def flops(self, node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
+        if self.flops_fn is not None:
+            return float(self.flops_fn(node, ins, outs))
+        return float(self.flops_per_elem * sum(t.numel for t in outs))
+
+
+CATALOGUE: dict[str, OpDef] = {}
+
+
+def register(op: OpDef) -> OpDef:
+    if op.name in CATALOGUE:
+        raise ValueError(f"op {op.name!r} registered twice")
+    CATALOGUE[op.name] = op
+    return op
+
+
+def get_op(name: str) -> OpDef:
+    try:
+        return CATALOGUE[name]
+    except KeyError:
+        raise UnsupportedError(
+            f"op {name!r} is not in the catalogue; known ops: {', '.join(sorted(CATALOGUE))}"
+        ) from None
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def infer_types(graph_values: dict[str, TensorType], node: Node) -> list[TensorType]:
+    """The shape rule: output types of ``node``, by running its reference on meta tensors.
+
+    Running the framework's own implementation on shape-only tensors gives exactly the
+    framework's shape semantics (ceil_mode, broadcasting, ...) with no data. The layout of
+    4-d outputs follows the first 4-d input.
+    """
+    ins = [graph_values[v] for v in node.inputs]
+    metas = [torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta") for t in ins]
+    op = get_op(node.op)
+    if node.op == "fallback":
+        raise UnsupportedError("fallback nodes carry their own output types")
+    out = op.bind(node)(*metas)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    layout = next((t.layout for t in ins if t.rank == 4), "nchw")
+    return [
+        TensorType(tuple(o.shape), dtype_name(o.dtype), layout if o.dim() == 4 else "nchw")
+        for o in outs
+    ]
+
+
+# --------------------------------------------------------------------------- helpers
+def _a(node: Node, key: str) -> Any:
+    return node.attrs[key]
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(v)
+    return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
+
+
+def conv_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
+    w = ins[1].shape  # (Cout, Cin/groups, kh, kw)
+    return 2.0 * outs[0].numel * w[1] * w[2] * w[3]
+
+
+def linear_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
+    return 2.0 * outs[0].numel * ins[1].shape[1]
+
+
+def pool_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
+    if "kernel_size" in node.attrs:
+        kh, kw = _pair(node.attrs["kernel_size"])
+        return float(outs[0].numel * kh * kw)
+    return float(ins[0].numel)  # adaptive: every input element read about once
+
+
+def reduce_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
+    return float(ins[0].numel)
+
+
+# ----------------------------------------------------------------- compute / param ops
+def _conv2d(node: Node) -> Kernel:
+    stride, padding, dilation, groups = (
+        _a(node, "stride"),
+        _a(node, "padding"),
+        _a(node, "dilation"),
+        _a(node, "groups"),
+    )
+
+    def conv2d(x, w, b=None):
+        return torch.conv2d(x, w, b, stride, padding, dilation, groups)
+
+    return conv2d
+
+
+register(OpDef("conv2d", Bound.COMPUTE, _conv2d, flops_fn=conv_flops))
+
+
+def _linear(node: Node) -> Kernel:
+    def linear(x, w, b=None):
+        return F.linear(x, w, b)
+
+    return linear
+
+
+register(OpDef("linear", Bound.PARAM, _linear, flops_fn=linear_flops))
+
+
+def _matmul(node: Node) -> Kernel:
+    return torch.matmul
+
+
+def matmul_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
+    return 2.0 * outs[0].numel * ins[0].shape[-1]
+
+
+register(OpDef("matmul", Bound.COMPUTE, _matmul, flops_fn=matmul_flops))
+
+
+# ------------------------------------------------------------------- normalisation
+def _batch_norm(node: Node) -> Kernel:
+    eps = float(_a(node, "eps"))
+
+    def batch_norm(x, mean, var, weight, bias):
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+
+    return batch_norm
+
+
+register(OpDef("batch_norm", Bound.IO, _batch_norm, elementwise=True, flops_per_elem=2.0))
+
+
+# --------------------------------------------------------------------- activations
+def _unary(fn: Callable[..., Any]) -> Callable[[Node], Kernel]:
+    def make(node: Node) -> Kernel:
+        return fn
+
+    return make
+
+
+register(OpDef("relu", Bound.IO, _unary(torch.relu), elementwise=True, monotone=True))
+
+
+def _hardtanh(node: Node) -> Kernel:
+    lo, hi = float(_a(node, "min_val")), float(_a(node, "max_val"))
+
+    def hardtanh(x):
+        return F.hardtanh(x, lo, hi)
+
+    return hardtanh
+
+
+register(OpDef("hardtanh", Bound.IO, _hardtanh, elementwise=True, monotone=True))
+
+
+def _leaky_relu(node: Node) -> Kernel:
+    slope = float(_a(node, "negative_slope"))
+
+    def leaky_relu(x):
+        return F.leaky_relu(x, slope)
+
+    return leaky_relu
+
+
+# monotone only for a non-negative slope; merge_pool_relu checks the slope
+register(OpDef("leaky_relu", Bound.IO, _leaky_relu, elementwise=True))
+register(OpDef("sigmoid", Bound.IO, _unary(torch.sigmoid), elementwise=True, flops_per_elem=4.0))
+register(OpDef("tanh", Bound.IO, _unary(torch.tanh), elementwise=True, flops_per_elem=4.0))
+register(OpDef("silu", Bound.IO, _unary(F.silu), elementwise=True, flops_per_elem=5.0))
+register(OpDef("hardswish", Bound.IO, _unary(F.hardswish), elementwise=True, flops_per_elem=4.0))
+register(
+    OpDef("hardsigmoid", Bound.IO, _unary(F.hardsigmoid), elementwise=True, flops_per_elem=3.0)
+)
+
+
+def _gelu(node: Node) -> Kernel:
+    approximate = _a(node, "approximate")
+
+    def gelu(x):
+        return F.gelu(x, approximate=approximate)
+
+    return gelu
+
+
+register(OpDef("gelu", Bound.IO, _gelu, elementwise=True, flops_per_elem=8.0))
+
+
+def _softmax(node: Node) -> Kernel:
+    dim = _a(node, "dim")
+
+    def softmax(x):
+        return torch.softmax(x, dim)
+
+    return softmax
+
+
+def _log_softmax(node: Node) -> Kernel:
+    dim = _a(node, "dim")
+
+    def log_softmax(x):
+        return torch.log_softmax(x, dim)
+
+    return log_softmax
+
+
+register(OpDef("softmax", Bound.IO, _softmax, flops_per_elem=5.0))
+register(OpDef("log_softmax", Bound.IO, _log_softmax, flops_per_elem=5.0))
+
+
+# ------------------------------------------------------------------------- pooling
+def _max_pool2d(node: Node) -> Kernel:
+    k, s, p, d, c = (
+        _a(node, "kernel_size"),
+        _a(node, "stride"),
+        _a(node, "padding"),
+        _a(node, "dilation"),
+        _a(node, "ceil_mode"),
+    )
+
+    def max_pool2d(x):
+        return F.max_pool2d(x, k, s, p, d, ceil_mode=c)
+
+    return max_pool2d
+
+
+register(OpDef("max_pool2d", Bound.IO, _max_pool2d, flops_fn=pool_flops))
+
+
+def _avg_pool2d(node: Node) -> Kernel:
+    k, s, p, c, cip, div = (
+        _a(node, "kernel_size"),
+        _a(node, "stride"),
+        _a(node, "padding"),
+        _a(node, "ceil_mode"),
+        _a(node, "count_include_pad"),
+        _a(node, "divisor_override"),
+    )
+
+    def avg_pool2d(x):
+        return F.avg_pool2d(x, k, s, p, c, cip, div)
+
+    return avg_pool2d
+
+
+register(OpDef("avg_pool2d", Bound.IO, _avg_pool2d, flops_fn=pool_flops))
+
+
+def _adaptive_avg_pool2d(node: Node) -> Kernel:
+    size = _a(node, "output_size")
+
+    def adaptive_avg_pool2d(x):
+        return F.adaptive_avg_pool2d(x, size)
+
+    return adaptive_avg_pool2d
+
+
+def _adaptive_max_pool2d(node: Node) -> Kernel:
+    size = _a(node, "output_size")
+
+    def adaptive_max_pool2d(x):
+        return F.adaptive_max_pool2d(x, size)
+
+    return adaptive_max_pool2d
+
+
+register(OpDef("adaptive_avg_pool2d", Bound.IO, _adaptive_avg_pool2d, flops_fn=pool_flops))
+register(OpDef("adaptive_max_pool2d", Bound.IO, _adaptive_max_pool2d, flops_fn=pool_flops))
+
+
+def activation_fn(name: str, attrs: dict[str, Any]) -> Callable[[Any], Any]:
+    """The reference of a monotone activation named ``name`` with ``attrs``."""
+    node = Node("_act", name, ("x",), ("y",), attrs)
+    return get_op(name).bind(node)
+
+
+def _maxpool_act(node: Node) -> Kernel:
+    pool = _max_pool2d(node)
+    act = activation_fn(_a(node, "activation"), dict(_a(node, "activation_attrs")))
+
+    def maxpool_act(x):
+        return act(pool(x))
+
+    return maxpool_act
+
+
+# merged max-pool + monotone activation (the passes' merge_pool_relu); attrs of max_pool2d
+# plus ``activation`` (an op name) and ``activation_attrs`` (a tuple of (key, value) pairs)
+register(OpDef("maxpool_relu", Bound.IO, _maxpool_act, flops_fn=pool_flops))
+
+
+def _mean(node: Node) -> Kernel:
+    dims, keep = tuple(_a(node, "dims")), bool(_a(node, "keepdim"))
+
+    def mean(x):
+        return torch.mean(x, dims, keep)
+
+    return mean
+
+
+register(OpDef("mean", Bound.IO, _mean, flops_fn=reduce_flops))
+
+
+# ---------------------------------------------------------------------- arithmetic
+def _binary(fn: Callable[..., Any], has_alpha: bool = False) -> Callable[[Node], Kernel]:
+    """add/sub/mul/div of two tensors, or of a tensor and a scalar attr ``scalar``
+    (``reverse``: the scalar is the left operand). ``alpha`` scales the right operand."""
+
+    def make(node: Node) -> Kernel:
+        scalar = node.attrs.get("scalar")
+        reverse = bool(node.attrs.get("reverse", False))
+        alpha = node.attrs.get("alpha", 1)
+        if has_alpha and alpha != 1:
+
+            def apply(a, b):
+                return fn(a, b, alpha=alpha)
+        else:
+            apply = fn
+        if scalar is None:
+            return apply
+        if reverse:
+
+            def left_scalar(x):
+                return apply(torch.full((), scalar, dtype=x.dtype, device=x.device), x)
+
+            return left_scalar
+
+        def right_scalar(x):
+            return apply(x, scalar)
+
+        return right_scalar
+
+    return make
+
+
+register(OpDef("add", Bound.IO, _binary(torch.add, True), elementwise=True))
+register(OpDef("sub", Bound.IO, _binary(torch.sub, True), elementwise=True))
+register(OpDef("mul", Bound.IO, _binary(torch.mul), elementwise=True))
+register(OpDef("div", Bound.IO, _binary(torch.div), elementwise=True))
+
+
+# -------------------------------------------------------------- data movement / views
+def _cat(node: Node) -> Kernel:
+    dim = _a(node, "dim")
+
+    def cat(*xs):
+        return torch.cat(xs, dim)
+
+    return cat
+
+
+register(OpDef("cat", Bound.IO, _cat, flops_per_elem=0.0))
+
+
+def _flatten(node: Node) -> Kernel:
+    s, e = _a(node, "start_dim"), _a(node, "end_dim")
+
+    def flatten(x):
+        return torch.flatten(x, s, e)
+
+    return flatten
+
+
+register(OpDef("flatten", Bound.IO, _flatten, view_like=True, flops_per_elem=0.0))
+
+
+def _reshape(node: Node) -> Kernel:
+    shape = tuple(_a(node, "shape"))
+
+    def reshape(x):
+        return torch.reshape(x, shape)
+
+    return reshape
+
+
+register(OpDef("reshape", Bound.IO, _reshape, view_like=True, flops_per_elem=0.0))
+
+
+def _permute(node: Node) -> Kernel:
+    dims = tuple(_a(node, "dims"))
+
+    def permute(x):
+        return x.permute(dims)
+
+    return permute
+
+
+register(OpDef("permute", Bound.IO, _permute, view_like=True, flops_per_elem=0.0))
+
+
+def _contiguous(node: Node) -> Kernel:
+    def contiguous(x):
+        return x.contiguous()
+
+    return contiguous
+
+
+register(OpDef("contiguous", Bound.IO, _contiguous, view_like=True, flops_per_elem=0.0))
+
+
+def _split(node: Node) -> Kernel:
+    sizes, dim = tuple(_a(node, "split_sizes")), _a(node, "dim")
+
+    def split(x):
+        return tuple(torch.split(x, sizes, dim))
+
+    return split
+
+
+register(OpDef("split", Bound.IO, _split, view_like=True, flops_per_elem=0.0))
+
+
+def _identity(node: Node) -> Kernel:
+    def identity(x):
+        return x
+
+    return identity
+
+
+register(OpDef("identity", Bound.IO, _identity, view_like=True, flops_per_elem=0.0))
+# dropout in inference is the identity; kept as its own op so reports name it
+register(OpDef("dropout", Bound.IO, _identity, view_like=True, flops_per_elem=0.0))
+
+
+# ----------------------------------------------------------------------- fallback
+class ValueRef:
+    """Marks where the ``i``-th input tensor goes in a fallback call's argument template."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"${self.index}"
+
+
+def _fill(template: Any, values: Sequence[Any]) -> Any:
+    if isinstance(template, ValueRef):
+        return values[template.index]
+    if isinstance(template, tuple):
+        return tuple(_fill(t, values) for t in template)
+    if isinstance(template, list):
+        return [_fill(t, values) for t in template]
+    if isinstance(template, dict):
+        return {k: _fill(v, values) for k, v in template.items()}
+    if isinstance(template, slice):
+        return slice(
+            _fill(template.start, values),
+            _fill(template.stop, values),
+            _fill(template.step, values),
+        )
+    return template
+
+
+def _fallback(node: Node) -> Kernel:
+    fn = node.payload
+    args_t, kwargs_t = node.attrs["args"], node.attrs["kwargs"]
+    multi = len(node.outputs) > 1
+
+    def fallback(*values):
+        out = fn(*_fill(args_t, values), **_fill(kwargs_t, values))
+        return tuple(out) if multi else out
+
+    return fallback
+
+
+# runs the original framework callable (module, function or method) unchanged
+register(OpDef("fallback", Bound.IO, _fallback, flops_fn=lambda n, i, o: 0.0))
+
+
+def window_out_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    """Output length of a pooling window along one axis (the framework's rule)."""
+    eff = d * (k - 1) + 1
+    if ceil_mode:
+        out = math.ceil((size + 2 * p - eff) / s) + 1
+        if (out - 1) * s >= size + p:
+            out -= 1
+    else:
+        out = (size + 2 * p - eff) // s + 1
+    return out

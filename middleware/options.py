@@ -1,0 +1,49 @@
+"""The one frozen record of every setting, passed explicitly down the pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    """The kernel cache: ``$MIDDLEWARE_CACHE_DIR``, else ``$XDG_CACHE_HOME/middleware``,
+    else ``~/.cache/middleware``. Read once, at ``optimize()`` time, never inside a stage."""
+    env = os.environ.get("MIDDLEWARE_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg) / "middleware"
+    return Path.home() / ".cache" / "middleware"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Every setting of one ``optimize()`` call.
+
+    Settings that change generated code (``device``, ``layout``, ``disable_passes``,
+    ``fuse``) are part of the kernel cache key through :meth:`codegen_key`.
+    """
+
+    device: str = "cpu"
+    cache_dir: Path = dataclasses.field(default_factory=default_cache_dir)
+    disable_passes: tuple[str, ...] = ()
+    debug_dir: Path | None = None
+    strict: bool = False
+    # "auto": channels_last on CPU unless measured slower; "nchw"/"nhwc" force one.
+    layout: str = "auto"
+    # Generate depth-first kernels for I/O-bound groups (False: run them through the framework).
+    fuse: bool = True
+    # Measure the machine's FLOP/s and bandwidth once (cached); False uses documented defaults.
+    measure_hardware: bool = True
+    # Use the buffer planner (arena reuse) in the runtime.
+    plan_memory: bool = True
+
+    def codegen_key(self) -> str:
+        """The settings that change generated code, as a stable string for cache keys."""
+        return (
+            f"device={self.device};layout={self.layout};fuse={self.fuse};"
+            f"disable={','.join(sorted(self.disable_passes))}"
+        )

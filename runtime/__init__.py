@@ -1,0 +1,1 @@
+"""Runtime: plans, buffers and the ``OptimizedModule`` handed back to the user."""

@@ -1,0 +1,174 @@
+"""The executable plan: ordered steps over numbered value slots, and the loop that runs them.
+
+A :class:`Plan` is built once per input signature from a passed graph. Each step is a
+vendor call (the framework's ATen operator, oneDNN on CPU), a generated kernel (a fused
+I/O-bound group), or a fallback (the original framework callable). Values live in a flat
+list of slots; a slot is cleared right after its last reader so that memory is released
+as early as eager PyTorch releases it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..graph import Graph, Node, map_tree
+from ..ops import get_op
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One call of the plan: ``fn(*slots[ins])`` writes ``slots[outs]``."""
+
+    name: str
+    runs_as: str  # "vendor" | "generated" | "fallback"
+    fn: Callable[..., Any]
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    nodes: tuple[str, ...]
+    frees: tuple[int, ...] = ()
+    reason: str = ""
+
+
+# A step factory: (graph, nodes of one step, device) -> Step fields or None to decline.
+StepFactory = Callable[[Graph, Sequence[Node], torch.device], "Step | None"]
+
+
+class Plan:
+    """Steps over slots; ``run`` takes the input tensors and returns the output structure."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        steps: list[Step],
+        slot_of: dict[str, int],
+        constants: dict[int, torch.Tensor],
+    ) -> None:
+        self.graph = graph
+        self.steps = steps
+        self.slot_of = slot_of
+        self.n_slots = len(slot_of)
+        self.input_slots = tuple(slot_of[v] for v in graph.inputs)
+        self.output_slots = [slot_of[v] for v in graph.output_values()]
+        template: list[Any] = [None] * self.n_slots
+        for s, t in constants.items():
+            template[s] = t
+        self._template = template
+        self._out_tree = graph.output_tree
+        self._single_out = (
+            slot_of[graph.output_tree] if isinstance(graph.output_tree, str) else None
+        )
+        self._program = [(st.fn, st.ins, st.outs, len(st.outs) > 1, st.frees) for st in steps]
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> Any:
+        env = list(self._template)
+        for s, x in zip(self.input_slots, inputs, strict=True):
+            env[s] = x
+        for fn, ins, outs, multi, frees in self._program:
+            r = fn(*[env[i] for i in ins])
+            if multi:
+                for o, v in zip(outs, r, strict=True):
+                    env[o] = v
+            else:
+                env[outs[0]] = r
+            for f in frees:
+                env[f] = None
+        if self._single_out is not None:
+            return env[self._single_out]
+        slot_of = self.slot_of
+        return map_tree(self._out_tree, lambda name: env[slot_of[name]])
+
+
+def to_tensor(array: np.ndarray, device: torch.device, layout: str = "nchw") -> torch.Tensor:
+    """A graph constant as a framework tensor on ``device`` (the runtime's one conversion)."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cpu":
+        t = t.to(device)
+    if layout == "nhwc" and t.dim() == 4:
+        t = t.contiguous(memory_format=torch.channels_last)
+    return t
+
+
+def node_step(
+    graph: Graph, node: Node, device: torch.device
+) -> tuple[str, Callable[..., Any], str]:
+    """The default way to run one node: its catalogue implementation through the framework."""
+    op = get_op(node.op)
+    if node.op == "fallback":
+        fn = op.bind(node)
+        return "fallback", fn, str(node.attrs.get("reason", ""))
+    return "vendor", op.bind(node), ""
+
+
+def build_plan(
+    graph: Graph,
+    device: torch.device,
+    units: Sequence[
+        tuple[str, str, Callable[..., Any], Sequence[str], Sequence[str], Sequence[str], str]
+    ]
+    | None = None,
+) -> Plan:
+    """Assemble a plan.
+
+    ``units`` are (name, runs_as, fn, input values, output values, node names, reason) in
+    execution order; without them every node runs on its own through the framework.
+    """
+    slot_of: dict[str, int] = {}
+
+    def slot(v: str) -> int:
+        if v not in slot_of:
+            slot_of[v] = len(slot_of)
+        return slot_of[v]
+
+    for v in graph.inputs:
+        slot(v)
+    constants: dict[int, torch.Tensor] = {}
+    for p, arr in graph.params.items():
+        constants[slot(p)] = to_tensor(arr, device, graph.values[p].layout)
+    if units is None:
+        units = []
+        for n in graph.nodes():
+            runs_as, fn, reason = node_step(graph, n, device)
+            units.append((n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
+    # liveness: the last unit that reads each slot frees it (never inputs, params, outputs)
+    keep = set(graph.inputs) | set(graph.params) | set(graph.output_values())
+    last_use: dict[str, int] = {}
+    for i, u in enumerate(units):
+        for v in u[3]:
+            last_use[v] = i
+    frees_at: dict[int, list[int]] = {}
+    for v, i in last_use.items():
+        if v not in keep:
+            frees_at.setdefault(i, []).append(slot(v))
+    steps = []
+    for i, (name, runs_as, fn, ins, outs, nodes, reason) in enumerate(units):
+        in_slots = tuple(slot(v) for v in ins)
+        out_slots = tuple(slot(v) for v in outs)
+        dead = [s for s in out_slots if graph_value_unused(outs, out_slots, s, last_use, keep)]
+        steps.append(
+            Step(
+                name,
+                runs_as,
+                fn,
+                in_slots,
+                out_slots,
+                tuple(nodes),
+                tuple(frees_at.get(i, [])) + tuple(dead),
+                reason,
+            )
+        )
+    for v in graph.output_values():
+        slot(v)
+    return Plan(graph, steps, slot_of, constants)
+
+
+def graph_value_unused(
+    outs: Sequence[str], out_slots: Sequence[int], s: int, last_use: dict[str, int], keep: set[str]
+) -> bool:
+    """An output of a step that nothing reads (e.g. an unused chunk of a split)."""
+    v = outs[list(out_slots).index(s)]
+    return v not in last_use and v not in keep
