@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from .frontends import trace
 from .graph import Graph
+from .hardware import detect
 from .ops import get_op
 from .options import Options
 from .passes import run_passes
@@ -26,7 +27,8 @@ def compile_model(model: nn.Module, inputs: Sequence[torch.Tensor], options: Opt
 
 def compile_graph(graph: Graph, options: Options) -> Compiled:
     device = torch.device(options.device)
-    graph = run_passes(graph, options)
+    hardware = detect(options.device, options.cache_dir, options.measure_hardware)
+    graph = run_passes(graph, options, hardware)
     graph = _fallbacks_on(graph, device)
     plan = build_plan(graph, device)
     return Compiled(graph, plan, make_report(graph, plan))

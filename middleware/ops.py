@@ -160,16 +160,34 @@ def reduce_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorTyp
 
 
 # ----------------------------------------------------------------- compute / param ops
+def post_op_fn(node: Node) -> Callable[[Any], Any] | None:
+    """The fused activation of a vendor call (``activation``/``activation_attrs`` attrs)."""
+    name = node.attrs.get("activation")
+    if not name:
+        return None
+    return activation_fn(name, dict(node.attrs.get("activation_attrs", ())))
+
+
 def _conv2d(node: Node) -> Kernel:
+    """Convolution, optionally with fused post-ops (the fuse_vendor_epilogue pass):
+    ``residual=True`` adds the last input after the bias, then ``activation`` applies:
+    ``y = act(conv(x, w) + b + residual)``, the order of oneDNN's sum and eltwise post-ops."""
     stride, padding, dilation, groups = (
         _a(node, "stride"),
         _a(node, "padding"),
         _a(node, "dilation"),
         _a(node, "groups"),
     )
+    residual = bool(node.attrs.get("residual", False))
+    has_bias = len(node.inputs) - int(residual) == 3
+    act = post_op_fn(node)
 
-    def conv2d(x, w, b=None):
-        return torch.conv2d(x, w, b, stride, padding, dilation, groups)
+    def conv2d(x, w, *rest):
+        b = rest[0] if has_bias else None
+        y = torch.conv2d(x, w, b, stride, padding, dilation, groups)
+        if residual:
+            y = y + rest[-1]
+        return act(y) if act is not None else y
 
     return conv2d
 
@@ -178,8 +196,12 @@ register(OpDef("conv2d", Bound.COMPUTE, _conv2d, flops_fn=conv_flops))
 
 
 def _linear(node: Node) -> Kernel:
+    """Fully connected layer, optionally with a fused ``activation`` (see ``_conv2d``)."""
+    act = post_op_fn(node)
+
     def linear(x, w, b=None):
-        return F.linear(x, w, b)
+        y = F.linear(x, w, b)
+        return act(y) if act is not None else y
 
     return linear
 

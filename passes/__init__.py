@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..graph import Graph
+from ..hardware import Hardware
 from ..options import Options
 
 Pass = Callable[[Graph], Graph]
@@ -25,7 +26,10 @@ def pass_names() -> list[str]:
 
 
 def run_passes(
-    graph: Graph, options: Options, pipeline: list[tuple[str, Pass]] | None = None
+    graph: Graph,
+    options: Options,
+    hardware: Hardware | None = None,
+    pipeline: list[tuple[str, Pass]] | None = None,
 ) -> Graph:
     """Run the pipeline (less the disabled passes) over ``graph``; returns the new graph.
 
