@@ -10,12 +10,12 @@ import torch.nn as nn
 
 from .frontends import trace
 from .graph import Graph
-from .hardware import detect
+from .hardware import Hardware, detect
 from .ops import get_op
 from .options import Options
 from .passes import run_passes
 from .runtime.module import Compiled
-from .runtime.plan import build_plan
+from .runtime.plan import Unit, build_plan, node_step
 from .runtime.report import Report, ReportRow, node_cost
 
 
@@ -30,8 +30,21 @@ def compile_graph(graph: Graph, options: Options) -> Compiled:
     hardware = detect(options.device, options.cache_dir, options.measure_hardware)
     graph = run_passes(graph, options, hardware)
     graph = _fallbacks_on(graph, device)
-    plan = build_plan(graph, device)
+    plan = build_plan(graph, device, _units(graph, options, hardware, device))
     return Compiled(graph, plan, make_report(graph, plan))
+
+
+def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.device) -> list[Unit]:
+    """Decide how each part of the graph runs, in execution order.
+
+    Every node runs on its own through the framework (vendor/ATen), fallback nodes call
+    the original callable.
+    """
+    units: list[Unit] = []
+    for n in graph.nodes():
+        runs_as, fn, reason = node_step(graph, n, device)
+        units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
+    return units
 
 
 def _fallbacks_on(graph: Graph, device: torch.device) -> Graph:

@@ -34,8 +34,17 @@ class Step:
     reason: str = ""
 
 
-# A step factory: (graph, nodes of one step, device) -> Step fields or None to decline.
-StepFactory = Callable[[Graph, Sequence[Node], torch.device], "Step | None"]
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """What the compiler hands the plan builder: one call and the values it reads and writes."""
+
+    name: str
+    runs_as: str
+    fn: Callable[..., Any]
+    inputs: Sequence[str]
+    outputs: Sequence[str]
+    nodes: Sequence[str]
+    reason: str = ""
 
 
 class Plan:
@@ -104,19 +113,9 @@ def node_step(
     return "vendor", op.bind(node), ""
 
 
-def build_plan(
-    graph: Graph,
-    device: torch.device,
-    units: Sequence[
-        tuple[str, str, Callable[..., Any], Sequence[str], Sequence[str], Sequence[str], str]
-    ]
-    | None = None,
-) -> Plan:
-    """Assemble a plan.
-
-    ``units`` are (name, runs_as, fn, input values, output values, node names, reason) in
-    execution order; without them every node runs on its own through the framework.
-    """
+def build_plan(graph: Graph, device: torch.device, units: Sequence[Unit] | None = None) -> Plan:
+    """Assemble a plan from ``units`` in execution order; without them every node runs on
+    its own through the framework."""
     slot_of: dict[str, int] = {}
 
     def slot(v: str) -> int:
@@ -133,32 +132,32 @@ def build_plan(
         units = []
         for n in graph.nodes():
             runs_as, fn, reason = node_step(graph, n, device)
-            units.append((n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
+            units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
     # liveness: the last unit that reads each slot frees it (never inputs, params, outputs)
     keep = set(graph.inputs) | set(graph.params) | set(graph.output_values())
     last_use: dict[str, int] = {}
     for i, u in enumerate(units):
-        for v in u[3]:
+        for v in u.inputs:
             last_use[v] = i
     frees_at: dict[int, list[int]] = {}
     for v, i in last_use.items():
         if v not in keep:
             frees_at.setdefault(i, []).append(slot(v))
     steps = []
-    for i, (name, runs_as, fn, ins, outs, nodes, reason) in enumerate(units):
-        in_slots = tuple(slot(v) for v in ins)
-        out_slots = tuple(slot(v) for v in outs)
-        dead = [s for s in out_slots if graph_value_unused(outs, out_slots, s, last_use, keep)]
+    for i, u in enumerate(units):
+        in_slots = tuple(slot(v) for v in u.inputs)
+        out_slots = tuple(slot(v) for v in u.outputs)
+        dead = [s for s in out_slots if graph_value_unused(u.outputs, out_slots, s, last_use, keep)]
         steps.append(
             Step(
-                name,
-                runs_as,
-                fn,
+                u.name,
+                u.runs_as,
+                u.fn,
                 in_slots,
                 out_slots,
-                tuple(nodes),
+                tuple(u.nodes),
                 tuple(frees_at.get(i, [])) + tuple(dead),
-                reason,
+                u.reason,
             )
         )
     for v in graph.output_values():
