@@ -45,6 +45,9 @@ class Unit:
     outputs: Sequence[str]
     nodes: Sequence[str]
     reason: str = ""
+    # Destination-passing form, when the unit has one: ``out_fn(*inputs, *outputs)`` writes
+    # into preallocated output tensors (generated kernels have it; the memory planner uses it).
+    out_fn: Callable[..., None] | None = None
 
 
 class Plan:
