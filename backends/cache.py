@@ -55,6 +55,7 @@ META_FILE = "meta.json"
 ERROR_FILE = "compile_error.txt"
 LOCK_FILE = ".lock"
 _PROGRESS_THRESHOLD = 3  # show a progress bar when more kernels than this compile
+COMPILE_TIMEOUT_S = 900.0  # one compile command taking longer than this is a failure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,37 +95,44 @@ class CachedKernel:
     compile_seconds: float
 
 
-_versions: dict[str, str] = {}
+_versions: dict[str, str] = {}  # executable -> the whole ``--version`` output
 _versions_lock = threading.Lock()
 
 
-def compiler_version(executable: str) -> str:
-    """The first line of ``<executable> --version`` (stdout, else stderr), memoised per process.
+def compiler_version_text(executable: str) -> str:
+    """The whole output of ``<executable> --version`` (stdout, else stderr), memoised per
+    process. This is what goes into the key: nvcc's first line ("nvcc: NVIDIA (R) Cuda
+    compiler driver") is the same for every release, its version is on a later line.
 
     Raises :class:`CompileError` when the executable cannot be run.
     """
     with _versions_lock:
         if executable in _versions:
             return _versions[executable]
+    command = [executable, "--version"]
     try:
-        proc = subprocess.run(
-            [executable, "--version"], capture_output=True, text=True, timeout=60, check=False
-        )
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
         raise CompileError(
-            f"cannot run the compiler {executable!r}: {exc}", command=[executable, "--version"]
+            f"cannot run the compiler {executable!r}: {exc}", command=command
         ) from exc
     text = proc.stdout.strip() or proc.stderr.strip()
     if proc.returncode != 0 or not text:
         raise CompileError(
             f"the compiler {executable!r} did not report a version",
             stderr=proc.stderr,
-            command=[executable, "--version"],
+            command=command,
         )
-    version = text.splitlines()[0].strip()
     with _versions_lock:
-        _versions[executable] = version
-    return version
+        _versions[executable] = text
+    return text
+
+
+def compiler_version(executable: str) -> str:
+    """The first line of ``<executable> --version``, memoised per process (the key hashes the
+    whole output, see :func:`compiler_version_text`). Raises :class:`CompileError` when the
+    executable cannot be run."""
+    return compiler_version_text(executable).splitlines()[0].strip()
 
 
 def _package_version() -> str:
@@ -164,6 +172,11 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         raise
 
 
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    """What must not change for a verified binary to stay verified without re-hashing."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
 def _substitute(args: Sequence[str], paths: Mapping[str, str]) -> list[str]:
     out = []
     for arg in args:
@@ -182,8 +195,8 @@ class KernelCache:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.kernels_dir = self.root / "kernels"
-        # key -> (kernel, (size, mtime_ns) of the binary when it was verified)
-        self._verified: dict[str, tuple[CachedKernel, tuple[int, int]]] = {}
+        # key -> (kernel, (size, mtime_ns, inode) of the binary when it was verified)
+        self._verified: dict[str, tuple[CachedKernel, tuple[int, int, int]]] = {}
         self._keys: dict[BuildRequest, str] = {}
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
@@ -192,7 +205,7 @@ class KernelCache:
 
     def key(self, req: BuildRequest) -> str:
         """sha256 (hex) of the source, extra files, the compile command(s), the compiler's
-        version, the package version and ``key_extra``."""
+        version (its whole ``--version`` output), the package version and ``key_extra``."""
         with contextlib.suppress(TypeError):  # an unhashable request is simply not memoised
             with self._lock:
                 if req in self._keys:
@@ -205,7 +218,7 @@ class KernelCache:
             "steps": [list(step) for step in req.steps],
             "binary_name": req.binary_name,
             "compiler": req.compiler,
-            "compiler_version": compiler_version(req.compiler),
+            "compiler_version": compiler_version_text(req.compiler),
             "package_version": _package_version(),
             "key_extra": list(req.key_extra),
         }
@@ -245,7 +258,7 @@ class KernelCache:
             kernel, stamp = memo
             with contextlib.suppress(OSError):
                 st = kernel.binary.stat()
-                if (st.st_size, st.st_mtime_ns) == stamp:
+                if _stamp(st) == stamp:
                     return dataclasses.replace(kernel, compiled=False, rebuilt_reason=""), ""
             with self._lock:
                 self._verified.pop(key, None)
@@ -287,7 +300,7 @@ class KernelCache:
             compile_seconds=float(meta.get("compile_seconds", 0.0)),
         )
         with self._lock:
-            self._verified[key] = (kernel, (st.st_size, st.st_mtime_ns))
+            self._verified[key] = (kernel, _stamp(st))
         return kernel, ""
 
     # ---- builds ---------------------------------------------------------------------------
@@ -386,9 +399,12 @@ class KernelCache:
         write_atomic(source_path, req.source)
         for file_name, text in req.extra_files:
             write_atomic(folder / file_name, text)
-        for stale in (folder / META_FILE, binary):  # never leave a pair that disagrees
+        # Holding the key's lock, nobody else writes here: whatever is left is stale (a
+        # metadata/binary pair that disagrees, temporaries of a process that died).
+        stale = [folder / META_FILE, binary, *folder.glob(".*.partial"), *folder.glob(".*.tmp")]
+        for path in stale:
             with contextlib.suppress(FileNotFoundError):
-                stale.unlink()
+                path.unlink()
 
         # The compiler writes under a temporary name that moves into place once complete. The
         # commands recorded (meta.json, errors) name the final paths: that is what a user
@@ -428,6 +444,7 @@ class KernelCache:
             "commands": commands,
             "compiler": req.compiler,
             "compiler_version": compiler_version(req.compiler),
+            "compiler_version_text": compiler_version_text(req.compiler),
             "package_version": _package_version(),
             "key_extra": list(req.key_extra),
             "compile_seconds": round(seconds, 6),
@@ -448,14 +465,30 @@ class KernelCache:
         )
         st = binary.stat()
         with self._lock:
-            self._verified[key] = (kernel, (st.st_size, st.st_mtime_ns))
+            self._verified[key] = (kernel, _stamp(st))
         return kernel
 
     def _run(self, cmd: list[str], shown: list[str], source_path: Path, folder: Path) -> None:
         """Run one compile command in the kernel folder; raise CompileError (naming the
         command as ``shown``) on failure."""
         try:
-            proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, check=False)
+            proc = subprocess.run(
+                cmd,
+                cwd=folder,
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=COMPILE_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired as exc:
+            error = CompileError(
+                f"{cmd[0]} did not finish within {COMPILE_TIMEOUT_S:.0f} s",
+                stderr=str(exc.stderr or ""),
+                command=shown,
+                source_path=str(source_path),
+            )
+            self._record_failure(folder, error)
+            raise error from exc
         except OSError as exc:
             error = CompileError(
                 f"cannot run {cmd[0]!r}: {exc}", command=shown, source_path=str(source_path)

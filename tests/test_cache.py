@@ -172,7 +172,13 @@ def test_key_covers_everything_that_changes_the_binary(
     assert KernelCache(root).key(req) != key
     monkeypatch.undo()
     assert KernelCache(root).key(req) == key
+    real_text = cache_mod.compiler_version_text(req.compiler)
     monkeypatch.setitem(cache_mod._versions, req.compiler, "cc (imaginary) 99")
+    assert KernelCache(root).key(req) != key
+    # The whole --version output counts (nvcc's release is on a later line than the first).
+    first = real_text.splitlines()[0]
+    monkeypatch.setitem(cache_mod._versions, req.compiler, first + "\nrelease 99.9")
+    assert compiler_version(req.compiler) == first.strip()
     assert KernelCache(root).key(req) != key
 
 
@@ -221,6 +227,7 @@ def test_meta_json_contents(root: Path) -> None:
     ]
     assert meta["compiler"] == req.compiler
     assert meta["compiler_version"] == compiler_version(req.compiler)
+    assert meta["compiler_version_text"].splitlines()[0] == meta["compiler_version"]
     assert meta["package_version"] == middleware.__version__
     assert meta["key_extra"] == list(req.key_extra)
     assert 0 < meta["compile_seconds"] == pytest.approx(kernel.compile_seconds, abs=1e-5)
@@ -312,6 +319,8 @@ def test_corrupt_binary_is_detected_rebuilt_and_reported(
         # The in-memory entry notices a change by size or modification time; file clocks
         # are coarse (a few ms), so give the modification a distinct time as a later one has.
         os.utime(good.binary, ns=(0, 0))
+    leftover = good.folder / ".kernel.so.4242.deadbeef.partial"  # from a process that died
+    leftover.write_bytes(b"half a binary")
     other = cache if same_instance else KernelCache(root)
     assert other.lookup(req) is None  # never returned as-is
     with pytest.warns(RuntimeWarning, match="kernel cache: .*rebuilding"):
@@ -322,6 +331,7 @@ def test_corrupt_binary_is_detected_rebuilt_and_reported(
     assert meta["sha256"] == hashlib.sha256(rebuilt.binary.read_bytes()).hexdigest()
     assert meta["sha256"] == good_sha  # gcc is deterministic for one source and command
     assert meta["rebuilt_reason"] == rebuilt.rebuilt_reason
+    assert not leftover.exists()
     # And the rebuilt binary is a hit afterwards, with no warning.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
