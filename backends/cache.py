@@ -81,6 +81,25 @@ class BuildRequest:
     steps: tuple[tuple[str, ...], ...] = ()
     extra_files: tuple[tuple[str, str], ...] = ()
 
+    def __post_init__(self) -> None:
+        # Lists are accepted and stored as tuples, so that requests hash and compare by value.
+        coerce = object.__setattr__
+        coerce(self, "command", tuple(self.command))
+        coerce(self, "steps", tuple(tuple(step) for step in self.steps))
+        coerce(self, "key_extra", tuple(self.key_extra))
+        coerce(self, "extra_files", tuple((str(n), str(t)) for n, t in self.extra_files))
+        if not self.command or not all(isinstance(a, str) for a in self.command):
+            raise ValueError(f"BuildRequest {self.name!r}: command must be a non-empty str tuple")
+        if not self.suffix.startswith("."):
+            raise ValueError(f"BuildRequest {self.name!r}: suffix {self.suffix!r} lacks its dot")
+        reserved = {META_FILE, ERROR_FILE, LOCK_FILE, "kernel" + self.suffix}
+        for file_name in (self.binary_name, *(n for n, _ in self.extra_files)):
+            if Path(file_name).name != file_name or file_name in reserved or file_name[:1] == ".":
+                raise ValueError(
+                    f"BuildRequest {self.name!r}: {file_name!r} must be a plain file name, "
+                    f"not one of {sorted(reserved)}"
+                )
+
 
 @dataclasses.dataclass(frozen=True)
 class CachedKernel:

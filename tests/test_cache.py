@@ -5,6 +5,7 @@ through ctypes against PyTorch."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import hashlib
@@ -239,6 +240,32 @@ def test_meta_json_contents(root: Path) -> None:
         "kernel.so",
         "meta.json",
     ]
+
+
+def test_request_validation_and_coercion() -> None:
+    req = c_build_request("axpb", AXPB)
+    as_lists = dataclasses.replace(req, command=list(req.command), key_extra=list(req.key_extra))
+    assert as_lists == req and hash(as_lists) == hash(req)
+    with pytest.raises(ValueError, match="non-empty"):
+        dataclasses.replace(req, command=())
+    with pytest.raises(ValueError, match="plain file name"):
+        dataclasses.replace(req, binary_name="../escape.so")
+    with pytest.raises(ValueError, match="plain file name"):
+        dataclasses.replace(req, binary_name="meta.json")
+    with pytest.raises(ValueError, match="plain file name"):
+        dataclasses.replace(req, extra_files=(("kernel.c", "x"),))
+    with pytest.raises(ValueError, match="dot"):
+        dataclasses.replace(req, suffix="c")
+
+
+def test_threads_of_one_process_compile_once(root: Path) -> None:
+    req = c_build_request("threads", "/* threads */\n" + AXPB)
+    caches = [KernelCache(root), KernelCache(root)]  # two instances: the file lock still holds
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(lambda i: caches[i % 2].build(req), range(6)))
+    assert [k.compiled for k in results].count(True) == 1
+    assert len({k.binary for k in results}) == 1
+    _check_axpb(results[0].binary)
 
 
 def test_folder_name_is_sanitised(root: Path) -> None:
