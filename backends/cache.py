@@ -21,13 +21,14 @@ finished binary; both succeed.
 Integrity: a hit is returned only when the binary's size and sha256 match ``meta.json``. A
 binary that does not match (corrupt, truncated, missing, or with ``meta.json`` missing or
 unreadable) is rebuilt, ``CachedKernel.rebuilt_reason`` says why and a warning is issued.
-Inside a process, a key verified once is not re-hashed again while the binary's size and
-modification time are unchanged.
+Inside a process, a kernel verified once is not re-hashed while its binary's size,
+modification time and inode are unchanged.
 
 Failures: a compile that fails raises :class:`~middleware.errors.CompileError` with the
-compiler's output, the command as run (real paths) and the source path. The kernel folder is
-kept with its source and a ``compile_error.txt`` (stderr and command) but no binary and no
-``meta.json``, so the user can read the source; the next build of the same request retries.
+compiler's output, the failing command (with the real source and binary paths) and the
+source path. The kernel folder is kept with its source and a ``compile_error.txt`` (stderr
+and command) but no binary and no ``meta.json``, so the user can read the source; failures
+are not cached: the next build of the same request compiles again.
 """
 
 from __future__ import annotations
@@ -214,8 +215,10 @@ class KernelCache:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.kernels_dir = self.root / "kernels"
-        # key -> (kernel, (size, mtime_ns, inode) of the binary when it was verified)
-        self._verified: dict[str, tuple[CachedKernel, tuple[int, int, int]]] = {}
+        # kernel folder -> (kernel, (size, mtime_ns, inode) of the binary when verified). The
+        # folder (name + key) rather than the key: requests differing only in name get their
+        # own folders, as a user browsing the cache expects.
+        self._verified: dict[Path, tuple[CachedKernel, tuple[int, int, int]]] = {}
         self._keys: dict[BuildRequest, str] = {}
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
@@ -271,8 +274,9 @@ class KernelCache:
 
     def _check(self, req: BuildRequest, key: str) -> tuple[CachedKernel | None, str]:
         """(verified hit, "") or (None, why the folder's content is unusable; "" on a miss)."""
+        folder = self.folder(req, key)
         with self._lock:
-            memo = self._verified.get(key)
+            memo = self._verified.get(folder)
         if memo is not None:
             kernel, stamp = memo
             with contextlib.suppress(OSError):
@@ -280,9 +284,8 @@ class KernelCache:
                 if _stamp(st) == stamp:
                     return dataclasses.replace(kernel, compiled=False, rebuilt_reason=""), ""
             with self._lock:
-                self._verified.pop(key, None)
+                self._verified.pop(folder, None)
 
-        folder = self.folder(req, key)
         binary = folder / req.binary_name
         meta_path = folder / META_FILE
         if not meta_path.exists():
@@ -319,7 +322,7 @@ class KernelCache:
             compile_seconds=float(meta.get("compile_seconds", 0.0)),
         )
         with self._lock:
-            self._verified[key] = (kernel, _stamp(st))
+            self._verified[kernel.folder] = (kernel, _stamp(st))
         return kernel, ""
 
     # ---- builds ---------------------------------------------------------------------------
@@ -327,7 +330,7 @@ class KernelCache:
     def build(self, req: BuildRequest) -> CachedKernel:
         """A verified hit, or compile the request into the cache.
 
-        Raises :class:`CompileError` (stderr, the command as run, the source path) when the
+        Raises :class:`CompileError` (stderr, the failing command, the source path) when the
         compiler fails. A cached binary that fails verification is rebuilt; the result's
         ``rebuilt_reason`` says why and a warning is issued.
         """
@@ -350,8 +353,8 @@ class KernelCache:
         with a tqdm progress bar when more than three compile. Results come back in the order
         of ``reqs``, a :class:`CompileError` in place of each kernel that failed to compile."""
         results: list[CachedKernel | CompileError | None] = [None] * len(reqs)
-        misses: dict[str, list[int]] = {}
-        first: dict[str, BuildRequest] = {}
+        misses: dict[Path, list[int]] = {}  # kernel folder -> positions asking for it
+        first: dict[Path, BuildRequest] = {}
         for i, req in enumerate(reqs):
             try:
                 key = self.key(req)
@@ -362,8 +365,9 @@ class KernelCache:
             if hit is not None:
                 results[i] = hit
             else:
-                misses.setdefault(key, []).append(i)
-                first.setdefault(key, req)
+                folder = self.folder(req, key)
+                misses.setdefault(folder, []).append(i)
+                first.setdefault(folder, req)
 
         if misses:
             workers = max(1, min(os.cpu_count() or 1, len(misses)))
@@ -484,7 +488,7 @@ class KernelCache:
         )
         st = binary.stat()
         with self._lock:
-            self._verified[key] = (kernel, _stamp(st))
+            self._verified[kernel.folder] = (kernel, _stamp(st))
         return kernel
 
     def _run(self, cmd: list[str], shown: list[str], source_path: Path, folder: Path) -> None:

@@ -268,6 +268,18 @@ def test_threads_of_one_process_compile_once(root: Path) -> None:
     _check_axpb(results[0].binary)
 
 
+def test_same_source_under_two_names_gets_two_folders(root: Path) -> None:
+    cache = KernelCache(root)
+    a, b = c_build_request("first", AXPB), c_build_request("second", AXPB)
+    assert cache.key(a) == cache.key(b)  # the name only names the folder
+    ka, kb = cache.build(a), cache.build(b)
+    assert ka.folder != kb.folder and ka.compiled and kb.compiled
+    assert _meta(kb)["name"] == "second"
+    both = cache.build_many([a, b, a])
+    assert [k.folder for k in both] == [ka.folder, kb.folder, ka.folder]
+    assert not any(k.compiled for k in both)
+
+
 def test_folder_name_is_sanitised(root: Path) -> None:
     kernel = KernelCache(root).build(c_build_request("../g 1/bn+relu", AXPB))
     assert kernel.folder.parent == root / "kernels"
