@@ -13,7 +13,7 @@ the full compile command(s), the compiler's ``--version`` line, the package vers
 request's ``key_extra``.
 
 Concurrency: every file is written under a temporary name in its final folder and moved into
-place with ``os.replace``; the folder is created tolerantly (``exist_ok``). Compiles of one key
+place with ``os.replace``; the folder is created tolerantly (``exist_ok``). Compiles of one folder
 are serialised by an ``flock`` on ``<folder>/.lock`` (and a thread lock inside a process), so
 when two processes ask for the same kernel at once, one compiles and the other finds the
 finished binary; both succeed.
@@ -221,7 +221,7 @@ class KernelCache:
         self._verified: dict[Path, tuple[CachedKernel, tuple[int, int, int]]] = {}
         self._keys: dict[BuildRequest, str] = {}
         self._lock = threading.Lock()
-        self._key_locks: dict[str, threading.Lock] = {}
+        self._folder_locks: dict[Path, threading.Lock] = {}
 
     # ---- keys and paths -------------------------------------------------------------------
 
@@ -338,7 +338,8 @@ class KernelCache:
         hit, _ = self._check(req, key)
         if hit is not None:
             return hit
-        with self._key_lock(key), self._file_lock(self.folder(req, key)):
+        folder = self.folder(req, key)
+        with self._thread_lock(folder), self._file_lock(folder):
             hit, reason = self._check(req, key)  # another thread or process may have built it
             if hit is not None:
                 return hit
@@ -400,12 +401,15 @@ class KernelCache:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _key_lock(self, key: str) -> threading.Lock:
+    def _thread_lock(self, folder: Path) -> threading.Lock:
+        """The lock serialising this instance's threads on one kernel folder."""
         with self._lock:
-            return self._key_locks.setdefault(key, threading.Lock())
+            return self._folder_locks.setdefault(folder, threading.Lock())
 
     @contextlib.contextmanager
     def _file_lock(self, folder: Path) -> Iterator[None]:
+        """An exclusive ``flock`` on ``<folder>/.lock``: serialises processes (and separate
+        instances) compiling one kernel. Released by the OS if the process dies."""
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / LOCK_FILE, "a+b") as f:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
@@ -415,14 +419,14 @@ class KernelCache:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
     def _compile(self, req: BuildRequest, key: str, rebuilt_reason: str) -> CachedKernel:
-        """Compile under the key's lock: sources, commands, then binary and meta.json."""
+        """Compile holding the folder's locks: sources, commands, then binary and meta.json."""
         folder = self.folder(req, key)
         source_path = folder / ("kernel" + req.suffix)
         binary = folder / req.binary_name
         write_atomic(source_path, req.source)
         for file_name, text in req.extra_files:
             write_atomic(folder / file_name, text)
-        # Holding the key's lock, nobody else writes here: whatever is left is stale (a
+        # Holding the folder's lock, nobody else writes here: whatever is left is stale (a
         # metadata/binary pair that disagrees, temporaries of a process that died).
         stale = [folder / META_FILE, binary, *folder.glob(".*.partial"), *folder.glob(".*.tmp")]
         for path in stale:
