@@ -4,19 +4,19 @@ Layout: one folder per kernel, ``<root>/kernels/<name>-<key[:16]>/``, holding
 
 - ``kernel<suffix>``: the generated source (plus any ``extra_files`` of the request),
 - the binary (``binary_name``, e.g. ``kernel.so``),
-- ``meta.json``: name, key, the compile commands (as templates and as run), the compiler and
-  its version, the package version, compile seconds, sha256 and size of the binary, and the
-  request's own metadata (group, layers, shapes).
+- ``meta.json``: name, key, the compile commands (as templates and with the real paths), the
+  compiler and its version, the package version, compile seconds, sha256 and size of the
+  binary, and the request's own metadata (group, layers, shapes).
 
 The key is the sha256 of everything that changes the binary: the source (and extra files),
-the full compile command(s), the compiler's ``--version`` line, the package version and the
-request's ``key_extra``.
+the full compile command(s), the compiler's whole ``--version`` output, the package version
+and the request's ``key_extra``. The name is not in the key; it only names the folder.
 
 Concurrency: every file is written under a temporary name in its final folder and moved into
-place with ``os.replace``; the folder is created tolerantly (``exist_ok``). Compiles of one folder
-are serialised by an ``flock`` on ``<folder>/.lock`` (and a thread lock inside a process), so
-when two processes ask for the same kernel at once, one compiles and the other finds the
-finished binary; both succeed.
+place with ``os.replace``; the folder is created tolerantly (``exist_ok``). Compiles of one
+folder are serialised by an ``flock`` on ``<folder>/.lock`` (and a thread lock inside a
+process), so when two processes ask for the same kernel at once, one compiles and the other
+finds the finished binary; both succeed.
 
 Integrity: a hit is returned only when the binary's size and sha256 match ``meta.json``. A
 binary that does not match (corrupt, truncated, missing, or with ``meta.json`` missing or
