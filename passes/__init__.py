@@ -90,6 +90,7 @@ def run_passes(
         debug.mkdir(parents=True, exist_ok=True)
         (debug / "000_input.txt").write_text(graph.text() + "\n")
     times: dict[str, float] = {}
+    original = graph
     for i, (name, fn) in enumerate(pipeline, start=1):
         if name in options.disable_passes:
             continue
@@ -98,5 +99,7 @@ def run_passes(
         times[name] = time.perf_counter() - t0
         if debug:
             (debug / f"{i:03d}_{name}.txt").write_text(graph.text() + "\n")
+    if graph is original:  # every pass switched off: still hand back a new graph
+        graph = graph.copy()
     graph.meta["pass_times"] = times
     return graph

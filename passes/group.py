@@ -25,16 +25,17 @@ from ..ops import get_op
 def group(graph: Graph) -> Graph:
     """Set ``group`` (an int id) on every node and order the nodes group by group.
 
-    Expects: ``bound`` set on every node (the classify pass).
+    Expects: ``bound`` set on every node by the classify pass (a node without one, when
+    classify is switched off, gets its op's default class from the catalogue).
     Guarantees: every node has a group; the nodes of a group share one class, and form
     one contiguous run in the new graph's node order, which is still topological; the
     groups are numbered 0, 1, ... in that order; each group is convex; a fallback node is
     alone in its group. The values, params and outputs are unchanged.
     """
-    nodes = list(graph.nodes())
-    if any(n.bound is None for n in nodes):
-        missing = next(n.name for n in nodes if n.bound is None)
-        raise ValueError(f"group needs the classify pass first ({missing} has no bound)")
+    nodes = [
+        n if n.bound is not None else n.replace(bound=str(get_op(n.op).bound))
+        for n in graph.nodes()
+    ]
     state = _Groups()
     for n in nodes:
         producers = _producers(graph, n)

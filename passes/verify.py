@@ -81,4 +81,3 @@ def check_equivalent(
     if not err <= tol:
         raise AssertionError(f"relative error {err:.3g} > {tol:g}")
     return err
-

@@ -137,3 +137,22 @@ def test_report_groups(tmp_path):
     assert "maxpool" in text and "conv2d+relu" in text
     verbose = report.verbose()
     assert len(verbose.splitlines()) == 1 + len(report.rows)
+
+
+def test_without_classify_groups_use_the_catalogue_class(tmp_path):
+    m = net()
+    x = torch.randn(1, 3, 16, 16)
+    om = middleware.optimize(
+        m, measure_hardware=False, cache_dir=tmp_path, disable_passes=["classify"], strict=True
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(om(x), m(x), rtol=1e-4, atol=1e-4)
+    bounds = {n.op: n.bound for n in om.graph.nodes()}
+    assert bounds["conv2d"] == "compute" and bounds["linear"] == "param"
+    assert all(n.group is not None for n in om.graph.nodes())
+
+
+def test_all_passes_off_leaves_the_graph_alone():
+    g = trace(net(), (torch.randn(1, 3, 8, 8),))
+    out = run_passes(g, Options(disable_passes=tuple(EXPECTED)))
+    assert out is not g and out.text() == g.text() and "pass_times" not in g.meta
