@@ -110,22 +110,21 @@ def _epilogue(
         absorbed.append(nxt)
         out = nxt.outputs[0]
         nxt = sole(out)
-    # residual add
-    if nxt is not None and table.after_residual and layer.op == "conv2d":
+    # residual add, then only an activation the vendor allows after it
+    if nxt is not None and layer.op == "conv2d" and table.after_residual:
         other = _residual_operand(graph, nxt, out)
         if other is not None:
             act = sole(nxt.outputs[0])
-            act_ok = act is not None and _activation_name(act) in table.after_residual
-            if act_ok or None in table.after_residual:
-                attrs = dict(fused.attrs, residual=True)
-                fused = fused.replace(inputs=fused.inputs + (other,), attrs=attrs)
-                absorbed.append(nxt)
-                out = nxt.outputs[0]
-                nxt = act if act_ok else None
-                if nxt is None:
-                    return _finish(fused, absorbed)
-            else:
+            act_name = None if act is None else _activation_name(act)
+            with_act = act_name is not None and act_name in table.after_residual
+            if not with_act and None not in table.after_residual:
+                return _finish(fused, absorbed)  # the add stays, and so what follows it
+            attrs = dict(fused.attrs, residual=True)
+            fused = fused.replace(inputs=fused.inputs + (other,), attrs=attrs)
+            absorbed.append(nxt)
+            if not with_act:
                 return _finish(fused, absorbed)
+            nxt = act
     # activation
     allowed = table.after_residual if fused.attrs.get("residual") else table.activations
     name = None if nxt is None else _activation_name(nxt)

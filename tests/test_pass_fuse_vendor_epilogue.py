@@ -192,3 +192,24 @@ def test_cpu_table_matches_onednn(act):
     y = pw.binary(x, r, w, b, [1, 1], [1, 1], [1, 1], 1, "add", 1.0, None, [], None)
     torch.testing.assert_close(y, F.conv2d(x, w, b, 1, 1) + r, rtol=1e-4, atol=1e-4)
     assert None in allowed
+
+
+class ResidualThenMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x, r):
+        return (self.conv(x) + r) * 3.0, torch.relu(torch.add(self.conv(r), x, alpha=2.0))
+
+
+def test_residual_before_a_non_activation_and_scaled_add():
+    xs = (torch.randn(1, 4, 5, 5), torch.randn(1, 4, 5, 5))
+    g = trace(ResidualThenMul().eval(), xs)
+    g2 = fuse_vendor_epilogue(g, CPU)
+    assert ops(g2) == ["conv2d", "mul", "conv2d", "add", "relu"], g2.text()
+    first = fused(g2)[0]
+    assert first.attrs["residual"] is True and "activation" not in first.attrs
+    assert "residual" not in fused(g2)[1].attrs  # alpha=2: not a plain residual add
+    check_equivalent(g, g2, tol=TOL)
+    assert ops(fuse_vendor_epilogue(g, CUDA)) == ops(g)
