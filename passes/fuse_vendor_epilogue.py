@@ -9,9 +9,12 @@ What the vendor offers is data (``POST_OPS``), per device kind and layer op:
   approximations); the binary ``add`` post-op on a convolution (a residual of the output's
   shape), alone or followed by relu only (``_convolution_pointwise.binary`` refuses any
   other unary op after the add).
-- cuda (cuDNN through ``torch.cudnn_convolution_relu`` / ``cudnn_convolution_add_relu``):
-  conv + bias + relu and conv + bias + residual add + relu; nothing else is fused there.
-  Linear: relu (cuBLASLt's epilogue through ``torch._addmm_activation``).
+- cuda (cuDNN through ``torch.cudnn_convolution_relu`` / ``cudnn_convolution_add_relu``,
+  the only fused convolutions PyTorch exposes; both checked against the reference on an
+  H200 with torch 2.11): conv + bias + relu and conv + bias + residual add + relu; nothing
+  else is fused there (no add without relu). Linear: relu (cuBLASLt's epilogue through
+  ``torch._addmm_activation``; its ``use_gelu=True`` is gelu with the tanh approximation,
+  not listed since the table keys activations by name only).
 """
 
 from __future__ import annotations
