@@ -5,6 +5,7 @@ front of concats)."""
 from __future__ import annotations
 
 import functools
+import tempfile
 
 import pytest
 import torch
@@ -76,15 +77,25 @@ def readers(g: Graph, value: str) -> list:
     return [n for n in g.nodes() if value in n.inputs]
 
 
-@pytest.mark.parametrize("name", NETWORKS)
-def test_optimized_network_matches_pytorch(name, tmp_path_factory):
+_CACHE = tempfile.TemporaryDirectory(prefix="mw-test-cache-")
+
+
+@functools.cache
+def optimized(name: str) -> tuple[middleware.runtime.module.OptimizedModule, float]:
+    """``optimize(model)`` after one call, and its error against the model (cached: the
+    structural tests below read the same passed graph)."""
     m, x = model(name), example(name)
-    cache = tmp_path_factory.mktemp("cache")
-    om = middleware.optimize(m, measure_hardware=False, cache_dir=cache, strict=True)
+    om = middleware.optimize(m, measure_hardware=False, cache_dir=_CACHE.name, strict=True)
     with torch.no_grad():
         ref = m(x)
         out = om(x)
-    assert relative_error(ref, out) <= TOL
+    return om, relative_error(ref, out)
+
+
+@pytest.mark.parametrize("name", NETWORKS)
+def test_optimized_network_matches_pytorch(name):
+    om, err = optimized(name)
+    assert err <= TOL
     g = om.graph
     assert all(n.bound in ("io", "param", "compute") and n.group is not None for n in g.nodes())
     # no batch-norm is left that a layer feeds alone
@@ -111,7 +122,7 @@ def test_optimized_network_matches_pytorch(name, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["resnet18", "resnet50", "mobilenet_v2", "densenet121"])
 def test_batch_norms_folded(name):
-    g = run_passes(traced(name), Options(), DEFAULT_HARDWARE)
+    g = optimized(name)[0].graph
     bns = [n for n in g.nodes() if n.op == "batch_norm"]
     if name == "densenet121":
         # the pre-activation batch-norms (after a concat) stay, io
@@ -125,7 +136,7 @@ def test_batch_norms_folded(name):
 @pytest.mark.parametrize("name", ["alexnet", "vgg16"])
 def test_relus_merged_into_max_pools(name):
     before = traced(name)
-    g = run_passes(before, Options(), DEFAULT_HARDWARE)
+    g = optimized(name)[0].graph
     pools = sum(n.op == "max_pool2d" for n in before.nodes())
     ops = [n.op for n in g.nodes()]
     assert "max_pool2d" not in ops and "relu" not in ops
@@ -149,7 +160,7 @@ def pools_after_cat(g: Graph, only_pool_readers: bool) -> list[str]:
 def test_poolings_in_front_of_concats(name, moved):
     before = traced(name)
     assert len(pools_after_cat(before, True)) == moved
-    g = run_passes(before, Options(), DEFAULT_HARDWARE)
+    g = optimized(name)[0].graph
     assert pools_after_cat(g, True) == []
     if name == "squeezenet1_1":
         assert pools_after_cat(g, False) == []
