@@ -36,9 +36,11 @@ def group(graph: Graph) -> Graph:
         n if n.bound is not None else n.replace(bound=str(get_op(n.op).bound))
         for n in graph.nodes()
     ]
+    by_name = {n.name: n for n in nodes}
+    position = {n.name: i for i, n in enumerate(nodes)}
     state = _Groups()
     for n in nodes:
-        producers = _producers(graph, n)
+        producers = _producers(graph, n, by_name, position)
         candidates = [p.name for p in producers if _joins(n, p)]
         state.place(n.name, [p.name for p in producers], candidates)
     order = state.order(nodes)
@@ -50,15 +52,13 @@ def group(graph: Graph) -> Graph:
     return graph.rebuild(records)
 
 
-def _producers(graph: Graph, n: Node) -> list[Node]:
-    """The distinct producer nodes of ``n``'s inputs, latest (in graph order) first."""
-    seen: dict[str, Node] = {}
-    for v in n.inputs:
-        p = graph.producer(v)
-        if p is not None:
-            seen[p.name] = p
-    index = graph._index()  # noqa: SLF001 - the graph's own topological positions
-    return sorted(seen.values(), key=lambda p: -index[p.name])
+def _producers(
+    graph: Graph, n: Node, by_name: dict[str, Node], position: dict[str, int]
+) -> list[Node]:
+    """The distinct producer nodes of ``n``'s inputs (records from ``by_name``), latest
+    (in graph order) first."""
+    names = {graph.producer(v).name for v in n.inputs if graph.producer(v) is not None}
+    return sorted((by_name[p] for p in names), key=lambda p: -position[p.name])
 
 
 def _joins(n: Node, p: Node) -> bool:

@@ -129,3 +129,9 @@ def test_random_dags_give_convex_contiguous_groups(spec):
         if ms[0].bound != "io":
             assert len(ms) == 1  # vendor calls: one node each
     check_equivalent(g, g2, tol=0.0)
+
+
+def test_without_bounds_the_catalogue_class_is_used():
+    g = build([("relu", (-1,), None), ("relu", (0,), None), ("add", (0, 1), None)])
+    g2 = group(g)
+    assert [(n.bound, n.group) for n in g2.nodes()] == [("io", 0)] * 3
