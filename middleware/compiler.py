@@ -16,7 +16,7 @@ from .options import Options
 from .passes import run_passes
 from .runtime.module import Compiled
 from .runtime.plan import Unit, build_plan, node_step
-from .runtime.report import Report, ReportRow, node_cost
+from .runtime.report import Report, ReportRow, group_rows, node_cost
 
 
 def compile_model(model: nn.Module, inputs: Sequence[torch.Tensor], options: Options) -> Compiled:
@@ -85,4 +85,4 @@ def make_report(graph: Graph, plan) -> Report:  # noqa: ANN001 - Plan, avoiding 
                 bytes=nbytes,
             )
         )
-    return Report(tuple(rows))
+    return Report(tuple(rows), group_rows(graph, rows))

@@ -1,24 +1,64 @@
 """Graph passes: each a plain function ``Graph -> Graph`` that leaves its input untouched.
 
-The pipeline is one named list, run by one short loop. ``Options.disable_passes`` switches
-passes off by name; ``Options.debug_dir`` writes the graph after every pass as
-``NNN_<pass>.txt``.
+The pipeline is one named list, run by one short loop. Passes that depend on the device
+(the post-op table of ``fuse_vendor_epilogue``, the roofline of ``classify``) receive the
+``Hardware`` through ``functools.partial``, so :func:`make_pipeline` builds the list for one
+device; ``PIPELINE`` is that list for the documented CPU defaults (its names are the same
+for every device). ``Options.disable_passes`` switches passes off by name;
+``Options.debug_dir`` writes the graph after every pass as ``NNN_<pass>.txt``.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ..graph import Graph
-from ..hardware import Hardware
+from ..hardware import CPU_DEFAULTS, Hardware
 from ..options import Options
+from .canonicalize import canonicalize
+from .classify import classify
+from .fold_batchnorm import fold_batchnorm
+from .fuse_vendor_epilogue import fuse_vendor_epilogue
+from .group import group
+from .merge_concat import merge_concat
+from .merge_pool_relu import merge_pool_relu
+from .pool_before_concat import pool_before_concat
 
 Pass = Callable[[Graph], Graph]
 
-# (name, pass) in the order they run; filled in below as passes land.
-PIPELINE: list[tuple[str, Pass]] = []
+# The documented CPU defaults (middleware/hardware.py), for PIPELINE and for callers that
+# pass no Hardware.
+DEFAULT_HARDWARE = Hardware(
+    kind="cpu",
+    name="default",
+    cores=2,
+    simd_bytes=64,
+    l1_bytes=48 * 1024,
+    l2_bytes=2 * 1024 * 1024,
+    l3_bytes=32 * 1024 * 1024,
+    **CPU_DEFAULTS,
+)
+
+
+def make_pipeline(hardware: Hardware) -> list[tuple[str, Pass]]:
+    """The passes, in the order they run, for a device described by ``hardware``."""
+    return [
+        ("canonicalize", canonicalize),
+        ("fold_batchnorm", fold_batchnorm),
+        ("merge_concat", merge_concat),
+        ("pool_before_concat", pool_before_concat),
+        ("merge_pool_relu", merge_pool_relu),
+        ("fuse_vendor_epilogue", functools.partial(fuse_vendor_epilogue, hardware=hardware)),
+        ("classify", functools.partial(classify, hardware=hardware)),
+        ("group", group),
+    ]
+
+
+# (name, pass) in the order they run, for the documented CPU defaults.
+PIPELINE: list[tuple[str, Pass]] = make_pipeline(DEFAULT_HARDWARE)
 
 
 def pass_names() -> list[str]:
@@ -33,9 +73,11 @@ def run_passes(
 ) -> Graph:
     """Run the pipeline (less the disabled passes) over ``graph``; returns the new graph.
 
-    Per-pass times (seconds) are left in ``graph.meta["pass_times"]``.
+    ``pipeline`` defaults to ``make_pipeline(hardware)`` (``PIPELINE`` without hardware).
+    Per-pass times (seconds) are left in ``graph.meta["pass_times"]`` of the result.
     """
-    pipeline = PIPELINE if pipeline is None else pipeline
+    if pipeline is None:
+        pipeline = PIPELINE if hardware is None else make_pipeline(hardware)
     known = {name for name, _ in pipeline}
     unknown = [p for p in options.disable_passes if p not in known]
     if unknown:
@@ -48,6 +90,7 @@ def run_passes(
         debug.mkdir(parents=True, exist_ok=True)
         (debug / "000_input.txt").write_text(graph.text() + "\n")
     times: dict[str, float] = {}
+    original = graph
     for i, (name, fn) in enumerate(pipeline, start=1):
         if name in options.disable_passes:
             continue
@@ -56,5 +99,7 @@ def run_passes(
         times[name] = time.perf_counter() - t0
         if debug:
             (debug / f"{i:03d}_{name}.txt").write_text(graph.text() + "\n")
+    if graph is original:  # every pass switched off: still hand back a new graph
+        graph = graph.copy()
     graph.meta["pass_times"] = times
     return graph

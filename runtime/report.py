@@ -1,11 +1,17 @@
-"""What ran where and why: the rows of ``OptimizedModule.report()``."""
+"""What ran where and why: the rows of ``OptimizedModule.report()``.
+
+One :class:`ReportRow` per node (its class, group, how it runs) and one :class:`GroupRow`
+per group (FLOPs, bytes across the group's boundary, FLOP per byte). ``str(report)``
+prints one line per group and a summary per class, so that it stays readable for a
+200-layer network; ``report.verbose()`` prints one line per node.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
 
-from ..graph import Graph
+from ..graph import Graph, Node
 from ..ops import get_op
 
 
@@ -24,6 +30,10 @@ class ReportRow:
 
 @dataclasses.dataclass(frozen=True)
 class GroupRow:
+    """One group: its nodes run as one step. ``bytes`` is what crosses the group's
+    boundary (inputs read from outside, weights, outputs read outside or returned), not its
+    intermediates."""
+
     group: int
     bound: str
     runs_as: str
@@ -68,15 +78,15 @@ class Report:
         if self.groups:
             lines.append(
                 f"{'group':>5}  {'bound':<7} {'runs as':<9} {'nodes':>5} "
-                f"{'MFLOP':>10} {'MB':>9} {'FLOP/B':>7}  ops"
+                f"{'MFLOP':>10} {'MB':>8} {'FLOP/B':>7}  ops"
             )
             for g in self.groups:
-                ops = _summarise_ops(g.ops)
                 lines.append(
                     f"{g.group:>5}  {g.bound:<7} {g.runs_as:<9} {len(g.nodes):>5} "
-                    f"{g.flops / 1e6:>10.2f} {g.bytes / 1e6:>9.2f} {g.flops_per_byte:>7.2f}  "
-                    f"{ops}{'  (' + g.reason + ')' if g.reason else ''}"
+                    f"{g.flops / 1e6:>10.2f} {g.bytes / 1e6:>8.2f} {g.flops_per_byte:>7.2f}  "
+                    f"{summarise_ops(g.ops)}{'  (' + g.reason + ')' if g.reason else ''}"
                 )
+            lines.extend(self._class_summary())
         else:
             lines.append(self._node_table())
         fb = self.fallbacks
@@ -85,28 +95,64 @@ class Report:
             lines.extend(f"  {r.node} ({r.source}): {r.reason}" for r in fb)
         return "\n".join(lines)
 
+    def _class_summary(self) -> list[str]:
+        """One line per class: groups, nodes, FLOPs, bytes and their shares."""
+        total_f = sum(g.flops for g in self.groups) or 1.0
+        total_b = sum(g.bytes for g in self.groups) or 1
+        lines = ["per class:"]
+        for bound in ("compute", "param", "io"):
+            gs = [g for g in self.groups if g.bound == bound]
+            if not gs:
+                continue
+            f, b = sum(g.flops for g in gs), sum(g.bytes for g in gs)
+            lines.append(
+                f"  {bound:<7} {len(gs):>4} groups {sum(len(g.nodes) for g in gs):>5} nodes "
+                f"{f / 1e6:>10.2f} MFLOP ({100 * f / total_f:4.1f}%) "
+                f"{b / 1e6:>8.2f} MB ({100 * b / total_b:4.1f}%)"
+            )
+        return lines
+
     def verbose(self) -> str:
         """One line per node."""
         return "\n".join(list(self.notes) + [self._node_table()])
 
     def _node_table(self) -> str:
-        lines = [f"{'node':<32} {'op':<20} {'bound':<7} {'group':>5} {'runs as':<9} reason"]
+        lines = [
+            f"{'node':<32} {'op':<20} {'bound':<7} {'group':>5} {'runs as':<9} "
+            f"{'MFLOP':>9} {'MB':>7}  reason"
+        ]
         for r in self.rows:
             g = "-" if r.group is None else str(r.group)
             lines.append(
-                f"{r.node[:32]:<32} {r.op:<20} {r.bound:<7} {g:>5} {r.runs_as:<9} {r.reason}"
+                f"{r.node[:32]:<32} {r.op[:20]:<20} {r.bound:<7} {g:>5} {r.runs_as:<9} "
+                f"{r.flops / 1e6:>9.2f} {r.bytes / 1e6:>7.2f}  {r.reason}"
             )
         return "\n".join(lines)
 
 
-def _summarise_ops(ops: Sequence[str]) -> str:
-    out: list[str] = []
+def summarise_ops(ops: Sequence[str], width: int = 70) -> str:
+    """``ops`` joined by " > ", runs of one op as "op x3", cut to ``width`` characters."""
+    out: list[list] = []
     for o in ops:
-        if out and out[-1].split("x")[0] == o:
-            continue
-        out.append(o)
-    s = " > ".join(out)
-    return s if len(s) <= 70 else s[:67] + "..."
+        if out and out[-1][0] == o:
+            out[-1][1] += 1
+        else:
+            out.append([o, 1])
+    s = " > ".join(o if k == 1 else f"{o} x{k}" for o, k in out)
+    return s if len(s) <= width else s[: width - 3] + "..."
+
+
+def op_label(node: Node) -> str:
+    """The op name with its fused post-ops, e.g. ``conv2d+add+relu``."""
+    label = node.op
+    if node.attrs.get("residual"):
+        label += "+add"
+    act = node.attrs.get("activation")
+    if act and node.op != "maxpool_relu":
+        label += f"+{act}"
+    if node.op == "maxpool_relu":
+        label = f"maxpool+{act}"
+    return label
 
 
 def node_cost(graph: Graph, name: str) -> tuple[float, int]:
@@ -117,3 +163,43 @@ def node_cost(graph: Graph, name: str) -> tuple[float, int]:
     flops = get_op(n.op).flops(n, ins, outs)
     nbytes = sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs)
     return flops, nbytes
+
+
+def group_rows(graph: Graph, rows: Sequence[ReportRow]) -> tuple[GroupRow, ...]:
+    """One row per group of ``graph`` (nodes without a group are left out), in the order
+    of their first node. A group's bytes are the distinct values it reads from outside
+    (inputs, weights, other groups' outputs) plus the values it writes that are read
+    outside it or returned; its FLOPs the sum of its nodes'."""
+    row_of = {r.node: r for r in rows}
+    members: dict[int, list[Node]] = {}
+    for n in graph.nodes():
+        if n.group is not None:
+            members.setdefault(n.group, []).append(n)
+    outputs = set(graph.output_values())
+    readers: dict[str, set[int | None]] = {}
+    for n in graph.nodes():
+        for v in n.inputs:
+            readers.setdefault(v, set()).add(n.group)
+    out: list[GroupRow] = []
+    for gid, nodes in members.items():
+        inside = {v for n in nodes for v in n.outputs}
+        read = {v for n in nodes for v in n.inputs if v not in inside}
+        written = {v for v in inside if v in outputs or (readers.get(v, set()) - {gid})}
+        nbytes = sum(graph.values[v].nbytes for v in read | written)
+        node_rows = [row_of[n.name] for n in nodes if n.name in row_of]
+        runs = list(dict.fromkeys(r.runs_as for r in node_rows)) or ["-"]
+        reasons = list(dict.fromkeys(r.reason for r in node_rows if r.reason))
+        bounds = list(dict.fromkeys(n.bound or str(get_op(n.op).bound) for n in nodes))
+        out.append(
+            GroupRow(
+                group=gid,
+                bound="/".join(bounds),
+                runs_as="+".join(runs),
+                nodes=tuple(n.name for n in nodes),
+                ops=tuple(op_label(n) for n in nodes),
+                flops=sum(node_cost(graph, n.name)[0] for n in nodes),
+                bytes=nbytes,
+                reason="; ".join(reasons),
+            )
+        )
+    return tuple(out)
