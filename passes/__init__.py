@@ -14,11 +14,15 @@ from pathlib import Path
 from ..graph import Graph
 from ..hardware import Hardware
 from ..options import Options
+from .layout import assign_layout
 
 Pass = Callable[[Graph], Graph]
 
 # (name, pass) in the order they run; filled in below as passes land.
-PIPELINE: list[tuple[str, Pass]] = []
+PIPELINE: list[tuple[str, Pass]] = [
+    # after fuse_vendor_epilogue, before classify
+    ("layout", assign_layout),
+]
 
 
 def pass_names() -> list[str]:
