@@ -522,6 +522,8 @@ def _identity(node: Node) -> Kernel:
 
 
 register(OpDef("identity", Bound.IO, _identity, view_like=True, flops_per_elem=0.0))
+# dropout in inference is the identity; kept as its own op so reports name it
+register(OpDef("dropout", Bound.IO, _identity, view_like=True, flops_per_elem=0.0))
 
 
 def _to_layout(node: Node) -> Kernel:
@@ -548,8 +550,6 @@ def _to_layout(node: Node) -> Kernel:
 
 # a change of memory order only: output element i is input element i
 register(OpDef("to_layout", Bound.IO, _to_layout, elementwise=True, flops_per_elem=0.0))
-# dropout in inference is the identity; kept as its own op so reports name it
-register(OpDef("dropout", Bound.IO, _identity, view_like=True, flops_per_elem=0.0))
 
 
 # ----------------------------------------------------------------------- fallback
