@@ -65,7 +65,11 @@ def main() -> None:
                 torch.backends.cudnn.benchmark = bench
                 with torch.inference_mode():
                     t = time_cuda(
-                        {"nchw": lambda: model(x), "nhwc": lambda: model_cl(x_cl)}, args.rounds
+                        {
+                            "nchw": lambda m=model, a=x: m(a),
+                            "nhwc": lambda m=model_cl, a=x_cl: m(a),
+                        },
+                        args.rounds,
                     )
                 res[bench] = t
             torch.backends.cudnn.benchmark = False
@@ -77,7 +81,9 @@ def main() -> None:
                 opt = middleware.optimize(model, device="cuda", example_inputs=(x,))
                 y = opt(x)
                 err = float((y - ref).abs().max()) / max(1.0, float(ref.abs().max()))
-                tm = time_cuda({"eager": lambda: model(x), "middleware": lambda: opt(x)}, 10)
+                tm = time_cuda(
+                    {"eager": lambda m=model, a=x: m(a), "middleware": lambda m=opt, a=x: m(a)}, 10
+                )
                 counts = opt.report().counts()
             except Exception as e:  # report and go on with the layout timings
                 print(f"{net} b{b}: optimize failed: {type(e).__name__}: {e}", flush=True)

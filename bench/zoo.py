@@ -210,9 +210,7 @@ def child_main(what: str, net: str, batch: int, cache: Path) -> None:
     print(json.dumps({"seconds": seconds}))
 
 
-def measure(
-    net: str, batch: int, args: argparse.Namespace, scratch: Path
-) -> Row:
+def measure(net: str, batch: int, args: argparse.Namespace, scratch: Path) -> Row:
     """Every mode of one network at one batch size, and its compile times."""
     model, size = make_model(net)
     x = make_input(batch, size)
