@@ -8,8 +8,15 @@ shared/MEASURED.md and backends/x86/vendor.py): channels_last ("nhwc") is as fas
 for every oneDNN convolution shape tried (16x64x56x56 3x3: 17 vs 19-26 ms; 1x1 256->64:
 9.8 vs 31 ms; depthwise 144ch: 4.6 vs 19 ms; 7x7/2 stem: 35 vs 37-57 ms), and the
 pooling and batch-norm kernels of ATen are 3-8x faster in channels_last (BN -> ReLU ->
-MaxPool on 16x64x112x112: 13-42 ms vs 100-135 ms). On CUDA the layout stays "nchw" until
-measured there (cuDNN prefers NHWC only with tensor-core dtypes).
+MaxPool on 16x64x112x112: 13-42 ms vs 100-135 ms).
+
+On CUDA it depends on whether cuDNN may use TF32 tensor cores for fp32 convolutions
+(``torch.backends.cudnn.allow_tf32``, True by default). Measured on one H200 (torch 2.11,
+eager torchvision networks, CUDA events, median of 15 interleaved rounds, batch 16 / 64):
+with TF32 channels_last is faster (resnet50 4.6 vs 4.8 / 7.9 vs 9.5 ms, resnet18 1.3 vs
+1.6 / 2.6 vs 3.5, mobilenet_v2 2.6 vs 2.6 / 3.9 vs 5.1, densenet121 8.0 vs 8.4 / 12.4 vs
+14.0; batch 1 within 5%); in strict fp32 NCHW is faster (resnet50 6.8 vs 8.3 / 20.3 vs 24.0,
+densenet121 9.0 vs 11.2 / 22.1 vs 26.7, googlenet 4.1 vs 5.1 / 9.7 vs 10.9 ms).
 
 The contract this pass guarantees (the fused-kernel generator and the vendor calls read
 ``TensorType.layout``): running any node's reference implementation on inputs stored in
@@ -28,8 +35,8 @@ import torch
 from ..graph import Graph, Node, TensorType, flatten_tree, map_tree
 from ..hardware import Hardware
 
-# layout="auto": the network layout per device kind
-LAYOUT_RULES: dict[str, str] = {"cpu": "nhwc", "cuda": "nchw"}
+# layout="auto": the network layout per device kind ("cuda_fp32": cuDNN without TF32)
+LAYOUT_RULES: dict[str, str] = {"cpu": "nhwc", "cuda": "nhwc", "cuda_fp32": "nchw"}
 
 # Ops whose reference implementation keeps the memory order of its 4-d inputs in its 4-d
 # outputs, in both layouts (checked op by op in tests/test_layout.py). Every other op
@@ -82,12 +89,17 @@ STRIDE_STRICT: frozenset[str] = frozenset({"cat"})
 WEIGHT_INPUTS: dict[str, frozenset[int]] = {"conv2d": frozenset({1}), "linear": frozenset({1})}
 
 
-def network_layout(device_kind: str, option: str = "auto") -> str:
-    """The layout for every 4-d value: ``option`` if "nchw"/"nhwc", else ``LAYOUT_RULES``."""
+def network_layout(device_kind: str, option: str = "auto", tf32: bool | None = None) -> str:
+    """The layout for every 4-d value: ``option`` if "nchw"/"nhwc", else ``LAYOUT_RULES``
+    for the device kind; on CUDA ``tf32`` (default: ``torch.backends.cudnn.allow_tf32`` at
+    the time of the call, i.e. at optimize time) picks the rule."""
     if option in ("nchw", "nhwc"):
         return option
     if option != "auto":
         raise ValueError(f"layout option {option!r}; choose 'auto', 'nchw' or 'nhwc'")
+    if device_kind == "cuda":
+        tf32 = torch.backends.cudnn.allow_tf32 if tf32 is None else tf32
+        return LAYOUT_RULES["cuda" if tf32 else "cuda_fp32"]
     return LAYOUT_RULES.get(device_kind, "nchw")
 
 

@@ -129,10 +129,12 @@ def test_pass_is_idempotent_and_leaves_input_untouched():
     assert assign_layout(h).text() == h.text()
 
 
-def test_cuda_auto_keeps_nchw():
+def test_cuda_auto_follows_tf32(monkeypatch):
     hw = Hardware("cuda", "gpu", 100, 128, 0, 0, 0, 1.0, 1.0)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     h = assign_layout(_small_net(), hw)
     assert all(t.layout == "nchw" for t in h.values.values())
+    assert network_layout("cuda", tf32=True) == "nhwc"
 
 
 def test_flatten_after_global_pool_needs_no_conversion():

@@ -217,7 +217,7 @@ def vendor_kernel(
         if dev.type == "cpu":
             return _cpu_conv(graph, node)
         if dev.type == "cuda":
-            return _cuda_conv(graph, node)
+            return _cuda_conv(graph, node, dev)
     if node.op == "linear":
         if dev.type == "cpu":
             return _cpu_linear(graph, node)
@@ -341,8 +341,10 @@ def _aten_linear(weight: torch.Tensor, bias: torch.Tensor | None, act: Kernel | 
 
 
 # --------------------------------------------------------------------------- CUDA
-def _cuda_conv(graph: Graph, node: Node) -> Kernel | None:
-    """cuDNN convolution, then the residual add and the activation in place."""
+def _cuda_conv(graph: Graph, node: Node, device: torch.device) -> Kernel | None:
+    """cuDNN convolution, then the residual add and the activation in place. Where the
+    output is "nhwc" a constant weight is made channels_last once, here (else PyTorch
+    would convert it at every call)."""
     x_t = graph.values[node.inputs[0]]
     if x_t.rank != 4 or isinstance(node.attrs["padding"], str):
         return None
@@ -351,8 +353,14 @@ def _cuda_conv(graph: Graph, node: Node) -> Kernel | None:
     has_bias = len(node.inputs) - int(residual) == 3
     name, attrs = activation_attrs(node)
     act = inplace_activation(name, attrs)
+    fixed = None
+    if graph.values[node.outputs[0]].layout == "nhwc":
+        fixed = _param(graph, node.inputs[1], device)
+        if fixed is not None:
+            fixed = fixed.contiguous(memory_format=torch.channels_last)
 
     def conv_cuda(x, w, *rest):
+        w = w if fixed is None else fixed
         b = rest[0] if has_bias else None
         y = torch.conv2d(x, w, b, stride, padding, dilation, groups)
         if residual:
