@@ -237,3 +237,24 @@ def test_cuda_conv(act, residual):
     )  # fmt: skip
     torch.backends.cudnn.allow_tf32 = False
     _run_conv_case(g, node, "nchw", device="cuda")
+
+
+def test_compiler_runs_conv_and_linear_through_vendor_kernels(tmp_path):
+    """optimize() hands conv2d/linear nodes the prepacked vendor callables (hook in
+    middleware/compiler.py ``_units``) and still matches eager PyTorch."""
+    import middleware
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, stride=2, groups=8),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 5),
+    ).eval()
+    x = torch.randn(4, 3, 16, 16)
+    opt = middleware.optimize(model, cache_dir=tmp_path, measure_hardware=False)
+    _close(opt(x), model(x).detach())
+    names = {st.fn.__name__ for st in opt.plan.steps}
+    assert {"conv_post", "linear_packed"} <= names
