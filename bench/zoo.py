@@ -31,6 +31,10 @@ shared/MEASURED.md): the timed rounds take about 6 minutes for all eleven networ
 batch sizes with ``--repeat 5``; cold ``torch.compile`` adds 30-120 s per network and batch
 (about 20 minutes), its warm compile 2-13 s, the middleware's optimize a few seconds each:
 the full table fits in about 35-40 minutes; ``--no-compile`` takes about 10.
+Measured so far only on a host shared with five other jobs (load 7-9 on 2 cores, every
+latency 5-50x its quiet value): squeezenet1_1 and mobilenet_v3_small at batch 1 with
+``--repeat 3 --warmup 1``, compile included, took 380 s (cold torch.compile 137 s and
+98 s of it); squeezenet1_1 and resnet18 at batch 1 and 16 with ``--no-compile`` 182 s.
 """
 
 from __future__ import annotations

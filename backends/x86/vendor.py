@@ -210,7 +210,9 @@ def vendor_kernel(
     Guarantees: the callable takes the node's input tensors in order, returns a tensor
     equal to the catalogue reference within float rounding, in the declared layout of the
     node's output value, and never writes into its inputs. None for ops this module does
-    not handle (the caller runs the catalogue reference).
+    not handle (the caller runs the catalogue reference). ``hardware`` is accepted for
+    per-machine rules; today's rules (``LINEAR_RULES``, the post-op tables) are measured
+    tables that do not depend on it.
     """
     dev = torch.device(device)
     if node.op == "conv2d":
