@@ -185,9 +185,12 @@ def inplace_activation(name: str | None, attrs: Mapping[str, Any]) -> Callable[[
 # When the packed oneDNN linear beats F.linear, by the number of rows (product of the
 # input's leading dims). Measured interleaved on the 2-core Sapphire Rapids host (torch
 # 2.14.1): rows 16: packed 36 ms vs F.linear 123 ms (9216->4096), 12 vs 46 ms
-# (4096->4096), 0.67 vs 1.16 ms (2048->1000); rows 2..8: packed 2-3x faster; rows 1: within
-# noise of each other for 512..4096 inputs, F.linear faster for 9216/25088->4096 (7.4 vs
-# 8.5 ms, 40 vs 60 ms). (min_rows, implementation), first match from the top wins.
+# (4096->4096), 0.67 vs 1.16 ms (2048->1000); rows 2..8: packed 2-3x faster; rows 1: mixed
+# (quiet host: within noise for 512..4096 inputs, F.linear faster for 9216/25088->4096, 7.4
+# vs 8.5 and 40 vs 60 ms; host loaded by other jobs: the packed call stalls ~20 ms on
+# small classifiers, 23 ms vs F.linear 0.4-1 ms for 576..4096->1000). Rows 16 on the loaded
+# host: packed still 3x faster for the 4096-wide layers (56 vs 189 ms, 27 vs 91, 137 vs
+# 440). (min_rows, implementation), first match from the top wins.
 LINEAR_RULES: tuple[tuple[int, str], ...] = ((2, "onednn_packed"), (1, "aten"))
 
 
