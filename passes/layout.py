@@ -21,8 +21,10 @@ densenet121 9.0 vs 11.2 / 22.1 vs 26.7, googlenet 4.1 vs 5.1 / 9.7 vs 10.9 ms).
 The contract this pass guarantees (the fused-kernel generator and the vendor calls read
 ``TensorType.layout``): running any node's reference implementation on inputs stored in
 their declared layouts gives outputs stored in their declared layouts (a value whose two
-memory orders coincide, C == 1 or H*W == 1, satisfies either). Outputs of ``split`` are
-strided views of their input in the input's order.
+memory orders coincide, C == 1 or H*W == 1, satisfies either). Outputs of the view ops
+(``VIEW_OPS``: split, permute, reshape, flatten) may be strided views of their input that
+are dense in neither order (a channel slice, a transpose); where one is dense, it is dense
+in its declared layout.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ LAYOUT_PRESERVING_IF: dict[str, Callable[[Node], bool]] = {"mean": _mean_over_sp
 # (torch.cat writes a contiguous result when its inputs' strides disagree).
 STRIDE_STRICT: frozenset[str] = frozenset({"cat"})
 
+# ops whose reference may return a strided view of its input, dense in neither order
+VIEW_OPS: frozenset[str] = frozenset({"split", "permute", "reshape", "flatten"})
+
 # input positions that hold weights, which stay as they are (the vendor path prepacks them)
 WEIGHT_INPUTS: dict[str, frozenset[int]] = {"conv2d": frozenset({1}), "linear": frozenset({1})}
 
@@ -128,8 +133,16 @@ def assign_layout(graph: Graph, hardware: Hardware | None = None, layout: str = 
         t = graph.values[v]
         if t.rank == 4:
             out.alias[v] = out.convert(v, mode, declared="nchw", base=v)
+    done: set[str] = set()
     for n in graph.nodes():
-        out.add(n, mode)
+        if n.name in done:
+            continue
+        chain = channel_shuffle_chain(graph, n) if mode == "nhwc" else None
+        if chain is not None and out.values[out.current(n.inputs[0])].layout == "nhwc":
+            out.channel_shuffle_nhwc(chain)
+            done.update(c.name for c in chain)
+        else:
+            out.add(n, mode)
     tree = map_tree(graph.output_tree, out.current)
     final: dict[str, str] = {}
     for v in flatten_tree(tree):
@@ -139,6 +152,33 @@ def assign_layout(graph: Graph, hardware: Hardware | None = None, layout: str = 
     g.set_outputs(map_tree(tree, lambda v: final.get(v, v)))
     g.meta["layout"] = mode
     return g
+
+
+def channel_shuffle_chain(graph: Graph, first: Node) -> list[Node] | None:
+    """The nodes of a channel shuffle starting at ``first``, or None: reshape (N,C,H,W) ->
+    (N,g,C/g,H,W), permute (0,2,1,3,4), optionally contiguous, reshape back to (N,C,H,W),
+    each the sole reader of the one before (as torchvision's ShuffleNet writes it)."""
+    if first.op != "reshape" or graph.values[first.inputs[0]].rank != 4:
+        return None
+    n, c, h, w = graph.values[first.inputs[0]].shape
+    s5 = graph.values[first.outputs[0]].shape
+    if len(s5) != 5 or s5[0] != n or s5[3:] != (h, w) or s5[1] * s5[2] != c:
+        return None
+    chain = [first]
+    for want in ("permute", "contiguous", "reshape"):
+        value = chain[-1].outputs[0]
+        readers = graph.consumers(value)
+        if len(readers) != 1 or graph.uses(value) != 1 or readers[0].op != want:
+            if want == "contiguous" and len(readers) == 1 and readers[0].op == "reshape":
+                continue
+            return None
+        chain.append(readers[0])
+    permute, last = chain[1], chain[-1]
+    if tuple(permute.attrs["dims"]) != (0, 2, 1, 3, 4):
+        return None
+    if graph.values[last.outputs[0]].shape != (n, c, h, w):
+        return None
+    return chain
 
 
 def _strip(name: str) -> str:
@@ -192,6 +232,41 @@ class _Builder:
         self._converted[key] = new
         return new
 
+    def _emit(self, name: str, op: str, ins: tuple[str, ...], out: str, ty: TensorType,
+              source: str, **attrs: Any) -> str:  # fmt: skip
+        self.values[out] = ty
+        self.nodes.append((Node(name, op, ins, (out,), attrs, source=source), [ty]))
+        return out
+
+    def channel_shuffle_nhwc(self, chain: list[Node]) -> None:
+        """A channel shuffle of an "nhwc" value done in its own memory order: view it as
+        row-major (N,H,W,C), swap the group axes of C (the one copy), view the result as
+        (N,C,H,W) stored channels_last. The chain's last output keeps its name."""
+        first, last = chain[0], chain[-1]
+        x = self.current(first.inputs[0])
+        t = self.values[x]
+        n, c, h, w = t.shape
+        g = self.graph.values[first.outputs[0]].shape[1]
+        src, dt = first.source, t.dtype
+        base = first.name
+
+        def fresh(tag: str) -> str:
+            return self._fresh(f"{base}_{tag}")
+
+        nhwc = self._emit(fresh("as_nhwc"), "permute", (x,), fresh("v_nhwc"),
+                          TensorType((n, h, w, c), dt), src, dims=(0, 2, 3, 1))  # fmt: skip
+        grouped = self._emit(fresh("groups"), "reshape", (nhwc,), fresh("v_groups"),
+                             TensorType((n, h, w, g, c // g), dt), src,
+                             shape=(n, h, w, g, c // g))  # fmt: skip
+        swapped = self._emit(fresh("swap"), "permute", (grouped,), fresh("v_swap"),
+                             TensorType((n, h, w, c // g, g), dt), src,
+                             dims=(0, 1, 2, 4, 3))  # fmt: skip
+        merged = self._emit(fresh("merge"), "reshape", (swapped,), fresh("v_merge"),
+                            TensorType((n, h, w, c), dt), src, shape=(n, h, w, c))  # fmt: skip
+        self._emit(last.name, "permute", (merged,), last.outputs[0],
+                   TensorType((n, c, h, w), dt, "nhwc"), last.source,
+                   dims=(0, 3, 1, 2))  # fmt: skip
+
     def add(self, n: Node, mode: str) -> None:
         if n.op == "to_layout":
             want_in: str | None = None
@@ -237,15 +312,16 @@ def layout_mismatches(graph: Graph, *inputs: torch.Tensor) -> list[str]:
         res = (res,) if len(n.outputs) == 1 else tuple(res)
         for v, t in zip(n.outputs, res, strict=True):
             env[v] = t
-            if n.op != "split":
-                _check(graph, v, t, bad)
+            _check(graph, n, v, t, bad)
     return bad
 
 
-def _check(graph: Graph, v: str, t: Any, bad: list[str]) -> None:
+def _check(graph: Graph, node: Node, v: str, t: Any, bad: list[str]) -> None:
     ty = graph.values[v]
     if not isinstance(t, torch.Tensor) or ty.rank != 4:
         return
-    fmt = torch.channels_last if ty.layout == "nhwc" else torch.contiguous_format
-    if not t.is_contiguous(memory_format=fmt):
-        bad.append(f"{v}: declared {ty.layout}, strides {tuple(t.stride())}")
+    dense = {"nchw": t.is_contiguous(), "nhwc": t.is_contiguous(memory_format=torch.channels_last)}
+    if node.op in VIEW_OPS and not any(dense.values()):
+        return  # a strided view, allowed for view ops
+    if not dense[ty.layout]:
+        bad.append(f"{v} ({node.op}): declared {ty.layout}, strides {tuple(t.stride())}")

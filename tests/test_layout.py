@@ -57,7 +57,7 @@ def _small_net() -> Graph:
     p = _add(g, "p1", "max_pool2d", [r], kernel_size=2, stride=2, padding=0, dilation=1,
              ceil_mode=False)  # fmt: skip
     v = _add(g, "v1", "reshape", [p], shape=(2, 2, 4, 6, 6))
-    t = _add(g, "t1", "permute", [v], dims=(0, 2, 1, 3, 4))
+    t = _add(g, "t1", "permute", [v], dims=(0, 1, 2, 4, 3))  # not a channel shuffle
     u = _add(g, "u1", "reshape", [t], shape=(2, 8, 6, 6))
     c2 = _add(g, "c2", "conv2d", [u, "w2", "b2", p], stride=1, padding=1, dilation=1, groups=1,
               activation="relu", activation_attrs=(), residual=True)  # fmt: skip
@@ -112,6 +112,35 @@ def test_small_net_structure_nhwc():
     # one conversion per value and layout
     conv_ins = [n.inputs[0] for n in h.nodes() if n.op == "to_layout"]
     assert len(conv_ins) == len(set(conv_ins)) == 4
+
+
+def _shuffle_net(contiguous: bool) -> Graph:
+    """relu -> channel shuffle (groups 3) -> sigmoid, as torchvision's ShuffleNet writes it."""
+    g = Graph()
+    g.add_input("x", TensorType((2, 12, 5, 7)))
+    r = _add(g, "r", "relu", ["x"])
+    v = _add(g, "v", "reshape", [r], shape=(2, 3, 4, 5, 7))
+    t = _add(g, "t", "permute", [v], dims=(0, 2, 1, 3, 4))
+    if contiguous:
+        t = _add(g, "c", "contiguous", [t])
+    u = _add(g, "u", "reshape", [t], shape=(2, 12, 5, 7))
+    s = _add(g, "s", "sigmoid", [u])
+    g.set_outputs(s)
+    return g
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_channel_shuffle_runs_in_nhwc_without_conversions(contiguous):
+    g = _shuffle_net(contiguous)
+    h = assign_layout(g)
+    conversions = [n for n in h.nodes() if n.op == "to_layout"]
+    assert [h.values[n.outputs[0]].layout for n in conversions] == ["nhwc", "nchw"]
+    assert h.values["u_out"].layout == "nhwc" and h.values["s_out"].layout == "nhwc"
+    assert _ops(h).count("reshape") == 2 and "contiguous" not in _ops(h)
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 5, 7)
+    assert layout_mismatches(h, x) == []
+    torch.testing.assert_close(h.evaluate(x), g.evaluate(x), rtol=0, atol=0)
 
 
 def test_nchw_mode_only_guards_the_inputs():
@@ -244,6 +273,10 @@ def test_network_contract_after_layout(name):
     h = assign_layout(g)
     assert layout_mismatches(h, x) == []
     _close(h.evaluate(x), g.evaluate(x), 1e-4)
+    # only the input is converted (every network here ends in a 2-d output); alexnet and
+    # vgg16 flatten a 6x6 / 7x7 map in nchw order, which needs one conversion there
+    conversions = sum(n.op == "to_layout" for n in h.nodes())
+    assert conversions == (2 if name in ("alexnet", "vgg16") else 1)
 
 
 @pytest.mark.parametrize(
