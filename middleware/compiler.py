@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+from .backends.x86.vendor import vendor_kernel
 from .frontends import trace
 from .graph import Graph
 from .hardware import Hardware, detect
@@ -37,12 +38,15 @@ def compile_graph(graph: Graph, options: Options) -> Compiled:
 def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.device) -> list[Unit]:
     """Decide how each part of the graph runs, in execution order.
 
-    Every node runs on its own through the framework (vendor/ATen), fallback nodes call
-    the original callable.
+    Every node runs on its own through the framework: conv2d/linear through the fast vendor
+    call (weights prepacked once, post-ops fused) where ``vendor_kernel`` offers one, other
+    nodes through their catalogue implementation; fallback nodes call the original callable.
     """
     units: list[Unit] = []
     for n in graph.nodes():
         runs_as, fn, reason = node_step(graph, n, device)
+        if runs_as == "vendor":
+            fn = vendor_kernel(graph, n, device, hardware) or fn
         units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
     return units
 

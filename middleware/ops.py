@@ -121,6 +121,8 @@ def infer_types(graph_values: dict[str, TensorType], node: Node) -> list[TensorT
     out = op.bind(node)(*metas)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     layout = next((t.layout for t in ins if t.rank == 4), "nchw")
+    if node.op == "to_layout":
+        layout = node.attrs["layout"]
     return [
         TensorType(tuple(o.shape), dtype_name(o.dtype), layout if o.dim() == 4 else "nchw")
         for o in outs
@@ -522,6 +524,32 @@ def _identity(node: Node) -> Kernel:
 register(OpDef("identity", Bound.IO, _identity, view_like=True, flops_per_elem=0.0))
 # dropout in inference is the identity; kept as its own op so reports name it
 register(OpDef("dropout", Bound.IO, _identity, view_like=True, flops_per_elem=0.0))
+
+
+def _to_layout(node: Node) -> Kernel:
+    """The value unchanged, stored in memory order ``layout`` ("nchw": contiguous, "nhwc":
+    channels_last; ranks other than 4 are made contiguous). Returns the input itself when it
+    is already stored so. Inserted by the layout pass at the graph's inputs and outputs and
+    around ops that need one memory order."""
+    nhwc = _a(node, "layout") == "nhwc"
+
+    def to_layout(x):
+        if x.dim() != 4:
+            return x.contiguous()
+        n, c, h, w = x.shape
+        if nhwc:
+            y, strides = x.contiguous(memory_format=torch.channels_last), (h * w * c, 1, w * c, c)
+        else:
+            y, strides = x.contiguous(), (c * h * w, h * w, w, 1)
+        if y.stride() != strides:  # C == 1 or H*W == 1: the same memory, restrided
+            y = y.as_strided(y.shape, strides, y.storage_offset())
+        return y
+
+    return to_layout
+
+
+# a change of memory order only: output element i is input element i
+register(OpDef("to_layout", Bound.IO, _to_layout, elementwise=True, flops_per_elem=0.0))
 
 
 # ----------------------------------------------------------------------- fallback

@@ -23,6 +23,7 @@ from .classify import classify
 from .fold_batchnorm import fold_batchnorm
 from .fuse_vendor_epilogue import fuse_vendor_epilogue
 from .group import group
+from .layout import assign_layout
 from .merge_concat import merge_concat
 from .merge_pool_relu import merge_pool_relu
 from .pool_before_concat import pool_before_concat
@@ -43,8 +44,9 @@ DEFAULT_HARDWARE = Hardware(
 )
 
 
-def make_pipeline(hardware: Hardware) -> list[tuple[str, Pass]]:
-    """The passes, in the order they run, for a device described by ``hardware``."""
+def make_pipeline(hardware: Hardware, layout: str = "auto") -> list[tuple[str, Pass]]:
+    """The passes, in the order they run, for a device described by ``hardware``;
+    ``layout`` is ``Options.layout`` ("auto", "nchw" or "nhwc")."""
     return [
         ("canonicalize", canonicalize),
         ("fold_batchnorm", fold_batchnorm),
@@ -52,6 +54,7 @@ def make_pipeline(hardware: Hardware) -> list[tuple[str, Pass]]:
         ("pool_before_concat", pool_before_concat),
         ("merge_pool_relu", merge_pool_relu),
         ("fuse_vendor_epilogue", functools.partial(fuse_vendor_epilogue, hardware=hardware)),
+        ("layout", functools.partial(assign_layout, hardware=hardware, layout=layout)),
         ("classify", functools.partial(classify, hardware=hardware)),
         ("group", group),
     ]
@@ -77,7 +80,7 @@ def run_passes(
     Per-pass times (seconds) are left in ``graph.meta["pass_times"]`` of the result.
     """
     if pipeline is None:
-        pipeline = PIPELINE if hardware is None else make_pipeline(hardware)
+        pipeline = make_pipeline(hardware or DEFAULT_HARDWARE, options.layout)
     known = {name for name, _ in pipeline}
     unknown = [p for p in options.disable_passes if p not in known]
     if unknown:

@@ -1,0 +1,327 @@
+"""layout: choose the memory layout of every 4-d value for the whole network, converting
+only where the graph meets the user (its inputs and outputs) and around the few ops that
+need one memory order.
+
+The network layout is data (``LAYOUT_RULES``: device kind -> layout for ``layout="auto"``).
+Measured on the 2-core Sapphire Rapids host (torch 2.14.1, interleaved in one process, see
+shared/MEASURED.md and backends/x86/vendor.py): channels_last ("nhwc") is as fast or faster
+for every oneDNN convolution shape tried (16x64x56x56 3x3: 17 vs 19-26 ms; 1x1 256->64:
+9.8 vs 31 ms; depthwise 144ch: 4.6 vs 19 ms; 7x7/2 stem: 35 vs 37-57 ms), and the
+pooling and batch-norm kernels of ATen are 3-8x faster in channels_last (BN -> ReLU ->
+MaxPool on 16x64x112x112: 13-42 ms vs 100-135 ms).
+
+On CUDA it depends on whether cuDNN may use TF32 tensor cores for fp32 convolutions
+(``torch.backends.cudnn.allow_tf32``, True by default). Measured on one H200 (torch 2.11,
+eager torchvision networks, CUDA events, median of 15 interleaved rounds, batch 16 / 64):
+with TF32 channels_last is faster (resnet50 4.6 vs 4.8 / 7.9 vs 9.5 ms, resnet18 1.3 vs
+1.6 / 2.6 vs 3.5, mobilenet_v2 2.6 vs 2.6 / 3.9 vs 5.1, densenet121 8.0 vs 8.4 / 12.4 vs
+14.0; batch 1 within 5%); in strict fp32 NCHW is faster (resnet50 6.8 vs 8.3 / 20.3 vs 24.0,
+densenet121 9.0 vs 11.2 / 22.1 vs 26.7, googlenet 4.1 vs 5.1 / 9.7 vs 10.9 ms).
+
+The contract this pass guarantees (the fused-kernel generator and the vendor calls read
+``TensorType.layout``): running any node's reference implementation on inputs stored in
+their declared layouts gives outputs stored in their declared layouts (a value whose two
+memory orders coincide, C == 1 or H*W == 1, satisfies either). Outputs of the view ops
+(``VIEW_OPS``: split, permute, reshape, flatten) may be strided views of their input that
+are dense in neither order (a channel slice, a transpose); where one is dense, it is dense
+in its declared layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..graph import Graph, Node, TensorType, flatten_tree, map_tree
+from ..hardware import Hardware
+
+# layout="auto": the network layout per device kind ("cuda_fp32": cuDNN without TF32)
+LAYOUT_RULES: dict[str, str] = {"cpu": "nhwc", "cuda": "nhwc", "cuda_fp32": "nchw"}
+
+# Ops whose reference implementation keeps the memory order of its 4-d inputs in its 4-d
+# outputs, in both layouts (checked op by op in tests/test_layout.py). Every other op
+# (reshape, flatten, permute, contiguous, matmul, mean, softmax, linear on 4-d, fallback,
+# any op added later) is layout-sensitive: it reads and writes "nchw", and the pass
+# converts around it.
+LAYOUT_PRESERVING: frozenset[str] = frozenset(
+    {
+        "conv2d",
+        "batch_norm",
+        "relu",
+        "hardtanh",
+        "leaky_relu",
+        "sigmoid",
+        "tanh",
+        "silu",
+        "hardswish",
+        "hardsigmoid",
+        "gelu",
+        "max_pool2d",
+        "avg_pool2d",
+        "adaptive_avg_pool2d",
+        "adaptive_max_pool2d",
+        "maxpool_relu",
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "cat",
+        "split",
+        "identity",
+        "dropout",
+    }
+)
+
+
+def _mean_over_space(node: Node) -> bool:
+    """A mean over both spatial dims writes (N, C) or (N, C, 1, 1): the same in both orders."""
+    return {int(d) % 4 for d in node.attrs["dims"]} >= {2, 3}
+
+
+# Ops that keep the memory order under a condition on their attrs.
+LAYOUT_PRESERVING_IF: dict[str, Callable[[Node], bool]] = {"mean": _mean_over_space}
+
+# Ops whose inputs must carry the declared strides even where the two orders coincide
+# (torch.cat writes a contiguous result when its inputs' strides disagree).
+STRIDE_STRICT: frozenset[str] = frozenset({"cat"})
+
+# ops whose reference may return a strided view of its input, dense in neither order
+VIEW_OPS: frozenset[str] = frozenset({"split", "permute", "reshape", "flatten"})
+
+# input positions that hold weights, which stay as they are (the vendor path prepacks them)
+WEIGHT_INPUTS: dict[str, frozenset[int]] = {"conv2d": frozenset({1}), "linear": frozenset({1})}
+
+
+def network_layout(device_kind: str, option: str = "auto", tf32: bool | None = None) -> str:
+    """The layout for every 4-d value: ``option`` if "nchw"/"nhwc", else ``LAYOUT_RULES``
+    for the device kind; on CUDA ``tf32`` (default: ``torch.backends.cudnn.allow_tf32`` at
+    the time of the call, i.e. at optimize time) picks the rule."""
+    if option in ("nchw", "nhwc"):
+        return option
+    if option != "auto":
+        raise ValueError(f"layout option {option!r}; choose 'auto', 'nchw' or 'nhwc'")
+    if device_kind == "cuda":
+        tf32 = torch.backends.cudnn.allow_tf32 if tf32 is None else tf32
+        return LAYOUT_RULES["cuda" if tf32 else "cuda_fp32"]
+    return LAYOUT_RULES.get(device_kind, "nchw")
+
+
+def orders_coincide(t: TensorType) -> bool:
+    """Whether a 4-d value is stored identically in both layouts (C == 1 or H*W == 1)."""
+    return t.rank != 4 or t.shape[1] == 1 or t.shape[2] * t.shape[3] == 1
+
+
+def assign_layout(graph: Graph, hardware: Hardware | None = None, layout: str = "auto") -> Graph:
+    """Give every 4-d activation the network layout and insert ``to_layout`` conversions.
+
+    Expects: a graph whose 4-d values are all declared "nchw" or already passed through this
+    pass (then it changes nothing). ``hardware.kind`` picks the "auto" layout (cpu when
+    None); ``layout`` is ``Options.layout``.
+    Guarantees: same outputs; every 4-d graph input is converted once, right at the start,
+    to the network layout (so callers may pass either memory format); every 4-d graph output
+    comes back "nchw" (contiguous, as PyTorch gives it); layout-sensitive ops read and write
+    "nchw", with one conversion per value that needs it (shared by all its readers);
+    parameters keep their layout; the contract of the module docstring holds.
+    """
+    if graph.meta.get("layout") is not None:
+        return graph
+    mode = network_layout(hardware.kind if hardware is not None else "cpu", layout)
+    out = _Builder(graph)
+    for v in graph.inputs:
+        t = graph.values[v]
+        if t.rank == 4:
+            out.alias[v] = out.convert(v, mode, declared="nchw", base=v)
+    done: set[str] = set()
+    for n in graph.nodes():
+        if n.name in done:
+            continue
+        chain = channel_shuffle_chain(graph, n) if mode == "nhwc" else None
+        if chain is not None and out.values[out.current(n.inputs[0])].layout == "nhwc":
+            out.channel_shuffle_nhwc(chain)
+            done.update(c.name for c in chain)
+        else:
+            out.add(n, mode)
+    tree = map_tree(graph.output_tree, out.current)
+    final: dict[str, str] = {}
+    for v in flatten_tree(tree):
+        if out.values[v].rank == 4 and out.values[v].layout != "nchw" and v not in final:
+            final[v] = out.convert(v, "nchw", base=_strip(v))
+    g = graph.rebuild(out.nodes)
+    g.set_outputs(map_tree(tree, lambda v: final.get(v, v)))
+    g.meta["layout"] = mode
+    return g
+
+
+def channel_shuffle_chain(graph: Graph, first: Node) -> list[Node] | None:
+    """The nodes of a channel shuffle starting at ``first``, or None: reshape (N,C,H,W) ->
+    (N,g,C/g,H,W), permute (0,2,1,3,4), optionally contiguous, reshape back to (N,C,H,W),
+    each the sole reader of the one before (as torchvision's ShuffleNet writes it)."""
+    if first.op != "reshape" or graph.values[first.inputs[0]].rank != 4:
+        return None
+    n, c, h, w = graph.values[first.inputs[0]].shape
+    s5 = graph.values[first.outputs[0]].shape
+    if len(s5) != 5 or s5[0] != n or s5[3:] != (h, w) or s5[1] * s5[2] != c:
+        return None
+    chain = [first]
+    for want in ("permute", "contiguous", "reshape"):
+        value = chain[-1].outputs[0]
+        readers = graph.consumers(value)
+        if len(readers) != 1 or graph.uses(value) != 1 or readers[0].op != want:
+            if want == "contiguous" and len(readers) == 1 and readers[0].op == "reshape":
+                continue
+            return None
+        chain.append(readers[0])
+    permute, last = chain[1], chain[-1]
+    if tuple(permute.attrs["dims"]) != (0, 2, 1, 3, 4):
+        return None
+    if graph.values[last.outputs[0]].shape != (n, c, h, w):
+        return None
+    return chain
+
+
+def _strip(name: str) -> str:
+    for suffix in ("_nhwc", "_nchw"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+class _Builder:
+    """The new node list: nodes with re-declared output layouts and conversion nodes."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.nodes: list[tuple[Node, list[TensorType]]] = []
+        self.values: dict[str, TensorType] = dict(graph.values)
+        self.alias: dict[str, str] = {}  # original value -> the value its readers read
+        self._converted: dict[tuple[str, str], str] = {}
+        self._taken: set[str] = set(graph.values) | {n.name for n in graph.nodes()}
+
+    def current(self, v: str) -> str:
+        return self.alias.get(v, v)
+
+    def _fresh(self, base: str) -> str:
+        name, i = base, 1
+        while name in self._taken:
+            name, i = f"{base}_{i}", i + 1
+        self._taken.add(name)
+        return name
+
+    def convert(self, v: str, layout: str, declared: str | None = None, base: str = "") -> str:
+        """A value equal to ``v`` stored in ``layout`` (one ``to_layout`` node per value and
+        layout)."""
+        key = (v, layout)
+        if key in self._converted:
+            return self._converted[key]
+        t = self.values[v]
+        if declared is not None:
+            t = TensorType(t.shape, t.dtype, declared)
+        new = self._fresh(f"{base or v}_{layout}")
+        node = Node(
+            self._fresh(f"to_{layout}_{base or v}"),
+            "to_layout",
+            (v,),
+            (new,),
+            {"layout": layout},
+            source=f"layout conversion of {base or v}",
+        )
+        self.values[new] = TensorType(t.shape, t.dtype, layout)
+        self.nodes.append((node, [self.values[new]]))
+        self._converted[key] = new
+        return new
+
+    def _emit(self, name: str, op: str, ins: tuple[str, ...], out: str, ty: TensorType,
+              source: str, **attrs: Any) -> str:  # fmt: skip
+        self.values[out] = ty
+        self.nodes.append((Node(name, op, ins, (out,), attrs, source=source), [ty]))
+        return out
+
+    def channel_shuffle_nhwc(self, chain: list[Node]) -> None:
+        """A channel shuffle of an "nhwc" value done in its own memory order: view it as
+        row-major (N,H,W,C), swap the group axes of C (the one copy), view the result as
+        (N,C,H,W) stored channels_last. The chain's last output keeps its name."""
+        first, last = chain[0], chain[-1]
+        x = self.current(first.inputs[0])
+        t = self.values[x]
+        n, c, h, w = t.shape
+        g = self.graph.values[first.outputs[0]].shape[1]
+        src, dt = first.source, t.dtype
+        base = first.name
+
+        def fresh(tag: str) -> str:
+            return self._fresh(f"{base}_{tag}")
+
+        nhwc = self._emit(fresh("as_nhwc"), "permute", (x,), fresh("v_nhwc"),
+                          TensorType((n, h, w, c), dt), src, dims=(0, 2, 3, 1))  # fmt: skip
+        grouped = self._emit(fresh("groups"), "reshape", (nhwc,), fresh("v_groups"),
+                             TensorType((n, h, w, g, c // g), dt), src,
+                             shape=(n, h, w, g, c // g))  # fmt: skip
+        swapped = self._emit(fresh("swap"), "permute", (grouped,), fresh("v_swap"),
+                             TensorType((n, h, w, c // g, g), dt), src,
+                             dims=(0, 1, 2, 4, 3))  # fmt: skip
+        merged = self._emit(fresh("merge"), "reshape", (swapped,), fresh("v_merge"),
+                            TensorType((n, h, w, c), dt), src, shape=(n, h, w, c))  # fmt: skip
+        self._emit(last.name, "permute", (merged,), last.outputs[0],
+                   TensorType((n, c, h, w), dt, "nhwc"), last.source,
+                   dims=(0, 3, 1, 2))  # fmt: skip
+
+    def add(self, n: Node, mode: str) -> None:
+        if n.op == "to_layout":
+            want_in: str | None = None
+            want_out = str(n.attrs["layout"])
+        elif n.op in LAYOUT_PRESERVING or (
+            n.op in LAYOUT_PRESERVING_IF and LAYOUT_PRESERVING_IF[n.op](n)
+        ):
+            want_in = want_out = mode
+        else:
+            want_in = want_out = "nchw"
+        weights = WEIGHT_INPUTS.get(n.op, frozenset())
+        ins = []
+        for i, v in enumerate(n.inputs):
+            v = self.current(v)
+            t = self.values[v]
+            if t.rank == 4 and want_in is not None and i not in weights and t.layout != want_in:
+                if not orders_coincide(t) or n.op in STRIDE_STRICT:
+                    v = self.convert(v, want_in)
+            ins.append(v)
+        types = []
+        for v in n.outputs:
+            t = self.values[v]
+            layout = want_out if t.rank == 4 else "nchw"
+            if n.op == "split":  # views of its input, in the input's order
+                layout = self.values[ins[0]].layout if t.rank == 4 else "nchw"
+            types.append(TensorType(t.shape, t.dtype, layout))
+            self.values[v] = types[-1]
+        self.nodes.append((n.replace(inputs=tuple(ins)), types))
+
+
+def layout_mismatches(graph: Graph, *inputs: torch.Tensor) -> list[str]:
+    """Run ``graph`` with the reference interpreter and list the values whose tensors are
+    not stored in their declared layout (for tests and debugging; empty when the contract
+    holds)."""
+    from ..ops import get_op
+
+    bad: list[str] = []
+    env: dict[str, Any] = dict(zip(graph.inputs, inputs, strict=True))
+    for p, arr in graph.params.items():
+        env[p] = torch.from_numpy(arr.copy())
+    for n in graph.nodes():
+        res = get_op(n.op).bind(n)(*[env[v] for v in n.inputs])
+        res = (res,) if len(n.outputs) == 1 else tuple(res)
+        for v, t in zip(n.outputs, res, strict=True):
+            env[v] = t
+            _check(graph, n, v, t, bad)
+    return bad
+
+
+def _check(graph: Graph, node: Node, v: str, t: Any, bad: list[str]) -> None:
+    ty = graph.values[v]
+    if not isinstance(t, torch.Tensor) or ty.rank != 4:
+        return
+    dense = {"nchw": t.is_contiguous(), "nhwc": t.is_contiguous(memory_format=torch.channels_last)}
+    if node.op in VIEW_OPS and not any(dense.values()):
+        return  # a strided view, allowed for view ops
+    if not dense[ty.layout]:
+        bad.append(f"{v} ({node.op}): declared {ty.layout}, strides {tuple(t.stride())}")
