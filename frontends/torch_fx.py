@@ -798,6 +798,17 @@ def _r_binary(op: str, inplace_default: bool = False):
     return rule
 
 
+def _r_matmul(low, fxn, fn, args, kwargs):
+    """``torch.matmul``/``@``/``mm``/``bmm``: mm and bmm are matmul on their legal ranks."""
+    b = _bind(args, kwargs, [("input", _REQUIRED), ("other", _REQUIRED)], "matmul")
+    return (
+        "matmul",
+        [_tensor(b["input"], "matmul input"), _tensor(b["other"], "matmul other")],
+        {},
+        False,
+    )
+
+
 def _r_cat(low, fxn, fn, args, kwargs):
     kw = dict(kwargs)
     if "axis" in kw:
@@ -949,6 +960,11 @@ _FUNCTION_RULES: dict[Any, Any] = {
     ),
     F.dropout: _f("dropout", [_X, ("p", 0.5), ("training", True), _INPLACE], _dropout_attrs),
     torch.flatten: _f("flatten", _FLATTEN_SPEC, _flatten_attrs),
+    torch.log_softmax: _f("log_softmax", [_X, ("dim", None), ("dtype", None)], _softmax_attrs),
+    torch.matmul: _r_matmul,
+    torch.mm: _r_matmul,
+    torch.bmm: _r_matmul,
+    operator.matmul: _r_matmul,
     torch.cat: _r_cat,
     torch.concat: _r_cat,
     torch.concatenate: _r_cat,
@@ -980,6 +996,10 @@ _METHOD_RULES: dict[str, Any] = {
     "tanh": _f("tanh", [_X]),
     "tanh_": _f("tanh", [_X], inplace_name=True),
     "softmax": _f("softmax", [_X, ("dim", None), ("dtype", None)], _softmax_attrs),
+    "log_softmax": _f("log_softmax", [_X, ("dim", None), ("dtype", None)], _softmax_attrs),
+    "matmul": _r_matmul,
+    "mm": _r_matmul,
+    "bmm": _r_matmul,
     "view": _r_reshape,
     "reshape": _r_reshape,
     "flatten": _f("flatten", _FLATTEN_SPEC, _flatten_attrs),
