@@ -107,6 +107,11 @@ class OptimizedModule(nn.Module):
         return None if self._latest is None else self._latest.graph
 
     @property
+    def signatures(self) -> list[tuple]:
+        """The input signatures (per input: shape, dtype, device) with a cached plan."""
+        return list(self._plans)
+
+    @property
     def plan(self) -> Plan | None:
         return None if self._latest is None else self._latest.plan
 
