@@ -215,3 +215,32 @@ def test_runs_under_grad_mode_and_inference_mode(tree_close) -> None:
     tree_close(optimized(x), expected, OPT_RTOL, OPT_ATOL)  # grad mode on
     with torch.inference_mode():
         tree_close(optimized(x), expected, OPT_RTOL, OPT_ATOL)
+
+
+# ---------------------------------------------------------------- memory tracking
+def test_live_storage_tracker_counts_live_storages() -> None:
+    from middleware.runtime.memtrack import LiveStorageTracker
+
+    with LiveStorageTracker() as t:
+        a = torch.empty(1000)  # 4000 bytes
+        b = torch.empty(2000)  # 8000 bytes: 12000 live
+        view = b[10:20].view(2, 5)  # a view allocates nothing
+        del a  # 8000 live
+        c = torch.empty(500)  # 10000 live
+        assert t.live_bytes == 10000
+    assert t.peak_bytes == 12000 and t.allocated_bytes == 14000
+    del b, view, c
+    assert t.live_bytes == 0
+
+
+def test_measure_peak_on_cpu() -> None:
+    from middleware.runtime.memtrack import measure_peak
+
+    def work() -> torch.Tensor:
+        a = torch.ones(2**18)  # 1 MiB
+        b = torch.ones(2**19)  # 2 MiB: 3 MiB live
+        del a
+        return b + 1  # 4 MiB live
+
+    peak = measure_peak(work)
+    assert 4 * 2**20 <= peak < 4 * 2**20 + 2**16, peak
