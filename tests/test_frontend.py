@@ -137,6 +137,51 @@ def test_fallback_with_kwargs_and_nested_arguments(tree_close) -> None:
     assert {"stack", "where", "gt", "sum_1"} <= set(_fallback_rows(optimized))
 
 
+@pytest.mark.parametrize(
+    ("fn", "reason"),
+    [
+        (
+            lambda x: F.max_pool2d(x, 2, return_indices=True)[0],
+            "max_pool2d_with_indices is not in the op catalogue",
+        ),
+        (lambda x: F.dropout(x, 0.5), "dropout with training=True"),
+        (lambda x: torch.div(x, 3, rounding_mode="floor"), "div with a rounding_mode"),
+        (lambda x: F.softmax(x, 1, dtype=torch.float64).float(), "softmax with a dtype"),
+        (lambda x: torch.add(x, True), "add of _V and bool"),
+    ],
+    ids=["maxpool-indices", "dropout-training", "div-rounding", "softmax-dtype", "add-bool"],
+)
+def test_variants_outside_the_catalogue_fall_back(fn, reason, tree_close) -> None:
+    """A known call with arguments the catalogue op cannot express runs as a fallback node."""
+
+    class Model(nn.Module):
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return fn(x)
+
+    model = Model().eval()
+    x = torch.randn(2, 3, 6, 6)
+    graph = middleware.trace(model, x)
+    fallbacks = [n for n in graph.nodes() if n.op == "fallback"]
+    assert fallbacks and reason in fallbacks[0].attrs["reason"], graph.text()
+    optimized = middleware.optimize(model)
+    if "dropout" in reason:  # random: compare the kept mask's scale, not values
+        out = optimized(x)
+        assert out.shape == x.shape and set(
+            torch.unique(out[out != 0] / x[out != 0]).round().tolist()
+        ) <= {2.0}
+    else:
+        tree_close(optimized(x), model(x), OPT_RTOL, OPT_ATOL)
+    assert reason in optimized.report().fallbacks[0].reason
+
+
+def test_conv_padding_mode_falls_back(tree_close) -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")).eval()
+    x = torch.randn(1, 3, 5, 5)
+    optimized = middleware.optimize(model)
+    tree_close(optimized(x), model(x), OPT_RTOL, OPT_ATOL)
+    assert "conv padding_mode='reflect'" in optimized.report().fallbacks[0].reason
+
+
 # --------------------------------------------------------- whole-model fallback
 class DataDependent(nn.Module):
     def __init__(self) -> None:

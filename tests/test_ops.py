@@ -215,6 +215,13 @@ CASES: list[Case] = [
     ),
     ("matmul-mm", "matmul", lambda: f2(torch.mm), [(5, 7), (7, 3)]),
     ("matmul-bmm", "matmul", lambda: f2(torch.bmm), [(3, 5, 7), (3, 7, 2)]),
+    ("matmul-mm-method", "matmul", lambda: Fn(lambda m, x, y: x.mm(y), 2), [(5, 7), (7, 3)]),
+    (
+        "matmul-bmm-method",
+        "matmul",
+        lambda: Fn(lambda m, x, y: x.bmm(y), 2),
+        [(3, 5, 7), (3, 7, 2)],
+    ),
     ("matmul-param", "matmul", lambda: Fn(lambda m, x: x @ m.w, w=torch.randn(9, 4)), [X]),
     # -------------------------------------------------------------- batch_norm
     ("bn-module", "batch_norm", lambda: seq(bn2d(5)), [X]),
@@ -255,6 +262,7 @@ CASES: list[Case] = [
     ("relu6-module", "hardtanh", lambda: seq(nn.ReLU6()), [X]),
     ("relu6-module-inplace", "hardtanh", lambda: seq(nn.Identity(), nn.ReLU6(inplace=True)), [X]),
     ("relu6-F", "hardtanh", lambda: Fn(lambda m, x: F.relu6(x * 4)), [X]),
+    ("relu6-F-inplace", "hardtanh", lambda: Fn(lambda m, x: F.relu6(x * 4, inplace=True)), [X]),
     ("hardtanh-module", "hardtanh", lambda: seq(nn.Hardtanh(-2.0, 0.5)), [X]),
     ("hardtanh-F", "hardtanh", lambda: Fn(lambda m, x: F.hardtanh(x, -0.5, 0.7)), [X]),
     (
@@ -269,6 +277,12 @@ CASES: list[Case] = [
         "leaky-module-inplace",
         "leaky_relu",
         lambda: seq(nn.Identity(), nn.LeakyReLU(inplace=True)),
+        [X],
+    ),
+    (
+        "leaky-F-inplace",
+        "leaky_relu",
+        lambda: Fn(lambda m, x: F.leaky_relu(x.clone(), 0.3, True)),
         [X],
     ),
     ("leaky-F-default", "leaky_relu", lambda: f1(F.leaky_relu), [X]),
@@ -303,6 +317,12 @@ CASES: list[Case] = [
     ),
     ("hardsigmoid-module", "hardsigmoid", lambda: seq(nn.Hardsigmoid(inplace=True)), [X]),
     ("hardsigmoid-F", "hardsigmoid", lambda: Fn(lambda m, x: F.hardsigmoid(x * 4)), [X]),
+    (
+        "hardsigmoid-F-inplace",
+        "hardsigmoid",
+        lambda: Fn(lambda m, x: F.hardsigmoid(x * 4, True)),
+        [X],
+    ),
     ("gelu-module", "gelu", lambda: seq(nn.GELU()), [X]),
     ("gelu-module-tanh", "gelu", lambda: seq(nn.GELU(approximate="tanh")), [X]),
     ("gelu-F", "gelu", lambda: f1(F.gelu), [X]),
