@@ -1,7 +1,8 @@
 """The runtime's Python overhead: resnet18 at batch 1, optimized against eager, one process.
 
 Three figures, all medians of ``--repeat`` rounds after ``--warmup`` rounds; a round runs
-every mode once, in turn, so that the host's drift hits all modes alike:
+every mode once, in turn (every other round in reverse order), so that the host's drift
+hits all modes alike:
 
 - ``eager``: ``model(x)`` under ``torch.no_grad()``; ``eager_inference``: the same under
   ``torch.inference_mode()``;
@@ -114,8 +115,9 @@ def main() -> None:
         modes["runtime overhead"] = lambda: hollow(x)
 
     times: dict[str, list[float]] = {m: [] for m in modes}
+    order = list(modes.items())
     for i in range(args.warmup + args.repeat):
-        for name, fn in modes.items():
+        for name, fn in order if i % 2 == 0 else order[::-1]:  # no fixed predecessor
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0

@@ -156,10 +156,13 @@ def _sync(device: str) -> None:
 def _time_interleaved(
     runners: dict[str, Callable[[], Any]], warmup: int, repeat: int, device: str
 ) -> dict[str, list[float]]:
-    """Each round calls every runner once, in turn, so that drift hits all alike (seconds)."""
+    """Each round calls every runner once, in turn, so that drift hits all alike; every
+    other round runs them in reverse order, so that no runner always follows the same one
+    (seconds)."""
     times: dict[str, list[float]] = {name: [] for name in runners}
+    order = list(runners.items())
     for i in range(warmup + repeat):
-        for name, fn in runners.items():
+        for name, fn in order if i % 2 == 0 else order[::-1]:
             _sync(device)
             t0 = time.perf_counter()
             fn()

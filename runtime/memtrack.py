@@ -16,9 +16,12 @@ do not pass through the dispatcher, e.g. ``torch.compile``'s buffers.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -110,7 +113,10 @@ def allocator_peak(fn: Callable[[], Any]) -> int | None:
     profiler's memory events; None when the profiler recorded no memory event."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with (
+        _native_stderr_silenced(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         out = fn()
         del out
     events = [
@@ -125,3 +131,25 @@ def allocator_peak(fn: Callable[[], Any]) -> int | None:
         live += nbytes
         peak = max(peak, live)
     return int(peak)
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Route file descriptor 2 to /dev/null: the profiler's native library logs its start,
+    stop and device probing there, which is noise for a memory measurement."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no real stderr (e.g. captured)
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(devnull)
