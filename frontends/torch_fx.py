@@ -74,7 +74,11 @@ class _ValueProxy(fx.Proxy):
 
 
 def _concrete(a: Any) -> Any:
-    return a.value if isinstance(a, _ValueProxy) else a
+    if isinstance(a, _ValueProxy):
+        return a.value
+    if isinstance(a, fx.proxy.Attribute):  # ``y.indices`` of a traced value, not yet a node
+        return getattr(_concrete(a.root), a.attr)
+    return a
 
 
 class _ValueTracer(fx.Tracer):
@@ -96,6 +100,9 @@ class _ValueTracer(fx.Tracer):
         if isinstance(proxy, _ValueProxy):
             proxy.value = value
         proxy.node.meta["mw_value"] = _describe(value)
+        fields = getattr(value, "_fields", None) or getattr(value, "__match_args__", None)
+        if isinstance(value, tuple) and fields:  # namedtuple or torch.return_types (.values)
+            proxy.node.meta["mw_fields"] = tuple(fields)
         return proxy
 
     def _run(self, kind: str, target: Any, args: Any, kwargs: Any) -> Any:
@@ -331,6 +338,17 @@ class _Lowering:
         ):
             self.env[fxn] = args[0][args[1]]
             return
+        if fxn.op == "call_function" and fxn.target is getattr and isinstance(args[0], tuple):
+            fields = (
+                fxn.args[0].meta.get("mw_fields", ()) if isinstance(fxn.args[0], fx.Node) else ()
+            )
+            if args[1] in fields:  # a field of a namedtuple result
+                self.env[fxn] = args[0][fields.index(args[1])]
+                return
+        if fxn.op == "call_function" and _is_namedtuple_class(fxn.target):
+            # building the model's own namedtuple output: structure, not computation
+            self.env[fxn] = fxn.target(*args, **kwargs)
+            return
         if fxn.op == "call_function" and fxn.target in _NOOP_FUNCTIONS:
             self.env[fxn] = None
             return
@@ -371,6 +389,10 @@ class _Lowering:
             return _FUNCTION_RULES.get(fxn.target), fxn.target
         except TypeError:  # unhashable target
             return None, fxn.target
+
+
+def _is_namedtuple_class(t: Any) -> bool:
+    return isinstance(t, type) and issubclass(t, tuple) and hasattr(t, "_fields")
 
 
 def _target_name(fxn: fx.Node) -> str:
@@ -798,6 +820,17 @@ def _r_binary(op: str, inplace_default: bool = False):
     return rule
 
 
+def _r_matmul(low, fxn, fn, args, kwargs):
+    """``torch.matmul``/``@``/``mm``/``bmm``: mm and bmm are matmul on their legal ranks."""
+    b = _bind(args, kwargs, [("input", _REQUIRED), ("other", _REQUIRED)], "matmul")
+    return (
+        "matmul",
+        [_tensor(b["input"], "matmul input"), _tensor(b["other"], "matmul other")],
+        {},
+        False,
+    )
+
+
 def _r_cat(low, fxn, fn, args, kwargs):
     kw = dict(kwargs)
     if "axis" in kw:
@@ -949,6 +982,11 @@ _FUNCTION_RULES: dict[Any, Any] = {
     ),
     F.dropout: _f("dropout", [_X, ("p", 0.5), ("training", True), _INPLACE], _dropout_attrs),
     torch.flatten: _f("flatten", _FLATTEN_SPEC, _flatten_attrs),
+    torch.log_softmax: _f("log_softmax", [_X, ("dim", None), ("dtype", None)], _softmax_attrs),
+    torch.matmul: _r_matmul,
+    torch.mm: _r_matmul,
+    torch.bmm: _r_matmul,
+    operator.matmul: _r_matmul,
     torch.cat: _r_cat,
     torch.concat: _r_cat,
     torch.concatenate: _r_cat,
@@ -980,6 +1018,10 @@ _METHOD_RULES: dict[str, Any] = {
     "tanh": _f("tanh", [_X]),
     "tanh_": _f("tanh", [_X], inplace_name=True),
     "softmax": _f("softmax", [_X, ("dim", None), ("dtype", None)], _softmax_attrs),
+    "log_softmax": _f("log_softmax", [_X, ("dim", None), ("dtype", None)], _softmax_attrs),
+    "matmul": _r_matmul,
+    "mm": _r_matmul,
+    "bmm": _r_matmul,
     "view": _r_reshape,
     "reshape": _r_reshape,
     "flatten": _f("flatten", _FLATTEN_SPEC, _flatten_attrs),

@@ -57,7 +57,9 @@ def _fallbacks_on(graph: Graph, device: torch.device) -> Graph:
     for n in list(graph.nodes()):
         mod = n.payload
         if n.op == "fallback" and isinstance(mod, nn.Module):
-            p = next(iter(mod.parameters()), None) or next(iter(mod.buffers()), None)
+            p = next(iter(mod.parameters()), None)
+            if p is None:
+                p = next(iter(mod.buffers()), None)
             if p is not None and p.device != device:
                 graph = graph.copy() if graph is not None else graph
                 graph.replace_node(n.name, n.replace(payload=copy.deepcopy(mod).to(device)))

@@ -10,7 +10,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..errors import InputMismatchError, InputTypeError, TraceError, UnsupportedError
+from ..errors import (
+    InputMismatchError,
+    InputTypeError,
+    TraceError,
+    TrainingModeError,
+    UnsupportedError,
+)
 from ..graph import Graph
 from ..options import Options
 from .plan import Plan
@@ -76,6 +82,7 @@ class OptimizedModule(nn.Module):
         # (and so modify) the user's model.
         object.__setattr__(self, "_original", model)
         object.__setattr__(self, "_compile_fn", compile_fn)
+        self.train(False)  # an inference module; train() does not change what it computes
         self.options = options
         self._plans: dict[tuple, Compiled] = {}
         self._specs: list[InputSpec] | None = None
@@ -98,6 +105,11 @@ class OptimizedModule(nn.Module):
     def graph(self) -> Graph | None:
         """The passed graph of the latest input signature (None before the first call)."""
         return None if self._latest is None else self._latest.graph
+
+    @property
+    def signatures(self) -> list[tuple]:
+        """The input signatures (per input: shape, dtype, device) with a cached plan."""
+        return list(self._plans)
 
     @property
     def plan(self) -> Plan | None:
@@ -152,15 +164,18 @@ class OptimizedModule(nn.Module):
             return entry.plan.run(inputs)
 
     def _check_types(self, inputs: Sequence[Any]) -> None:
+        expected = (
+            "" if self._specs is None else "(" + ", ".join(s.describe() for s in self._specs) + ")"
+        )
+        given = "(" + ", ".join(_describe_tensor(x) for x in inputs) + ")"
         for i, x in enumerate(inputs):
             if not isinstance(x, torch.Tensor):
                 raise InputTypeError(
                     f"input {i} is a {type(x).__name__}; the optimized model takes tensors only"
+                    + (f"; signature expected {expected}, given {given}" if expected else "")
                 )
         if self._specs is None:
             return
-        expected = "(" + ", ".join(s.describe() for s in self._specs) + ")"
-        given = "(" + ", ".join(_describe_tensor(x) for x in inputs) + ")"
         if len(inputs) != len(self._specs):
             raise InputMismatchError(
                 f"expected {len(self._specs)} inputs {expected}, got {len(inputs)}: {given}"
@@ -190,6 +205,11 @@ class OptimizedModule(nn.Module):
                 )
 
     def _compile(self, inputs: Sequence[torch.Tensor], sig: tuple) -> Compiled | None:
+        if self._original.training:  # switched back to training after optimize()
+            raise TrainingModeError(
+                f"{type(self._original).__name__} is in training mode; training is not yet "
+                "supported. Call model.eval() before running the optimized model"
+            )
         device = torch.device(self.options.device)
         for i, x in enumerate(inputs):
             if x.device.type != device.type:

@@ -1,0 +1,72 @@
+"""Shared test set-up: seeded randomness, a private kernel/hardware cache, tree comparison.
+
+Tolerances used across the suite (fp32 on CPU):
+- the reference interpreter (``Graph.evaluate``) against eager PyTorch: rtol 1e-5, atol 1e-6
+  times the output's scale (it calls the same framework functions);
+- an optimized module against eager PyTorch: rtol 1e-4, atol 1e-4 times the output's scale
+  (passes may fold batch-norm into convolutions and kernels may reorder sums).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+EVAL_RTOL, EVAL_ATOL = 1e-5, 1e-6
+OPT_RTOL, OPT_ATOL = 1e-4, 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    """Every test starts from the same random state."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Kernels and the measured hardware description go to a per-session folder, never
+    into the user's ``~/.cache/middleware``."""
+    old = os.environ.get("MIDDLEWARE_CACHE_DIR")
+    os.environ["MIDDLEWARE_CACHE_DIR"] = str(tmp_path_factory.mktemp("middleware-cache"))
+    yield
+    if old is None:
+        os.environ.pop("MIDDLEWARE_CACHE_DIR", None)
+    else:
+        os.environ["MIDDLEWARE_CACHE_DIR"] = old
+
+
+def _scale(t: torch.Tensor) -> float:
+    return max(1.0, float(t.detach().abs().max())) if t.numel() else 1.0
+
+
+def assert_tree_close(got: Any, expected: Any, rtol: float, atol: float, path: str = "out") -> None:
+    """``got`` has the same nested structure (types included) as ``expected`` and every
+    tensor matches within ``rtol`` and ``atol`` times the expected tensor's scale
+    (its largest magnitude, at least 1)."""
+    assert type(got) is type(expected), f"{path}: {type(got).__name__} != {type(expected).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert got.shape == expected.shape, f"{path}: shape {got.shape} != {expected.shape}"
+        assert got.dtype == expected.dtype, f"{path}: dtype {got.dtype} != {expected.dtype}"
+        torch.testing.assert_close(
+            got, expected, rtol=rtol, atol=atol * _scale(expected), msg=lambda m: f"{path}: {m}"
+        )
+    elif isinstance(expected, (tuple, list)):
+        assert len(got) == len(expected), f"{path}: {len(got)} items != {len(expected)}"
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            assert_tree_close(g, e, rtol, atol, f"{path}[{i}]")
+    elif isinstance(expected, dict):
+        assert list(got) == list(expected), f"{path}: keys {list(got)} != {list(expected)}"
+        for k in expected:
+            assert_tree_close(got[k], expected[k], rtol, atol, f"{path}[{k!r}]")
+    else:
+        assert got == expected, f"{path}: {got!r} != {expected!r}"
+
+
+@pytest.fixture
+def tree_close():
+    """``tree_close(got, expected, rtol=..., atol=...)``: see :func:`assert_tree_close`."""
+    return assert_tree_close

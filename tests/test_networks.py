@@ -1,0 +1,84 @@
+"""The eleven torchvision networks of issue 2, end to end, against eager PyTorch.
+
+Random weights (``torch.manual_seed(0)``), eval mode, batch 1 and 3 (3x224x224 inputs,
+3x299x299 for inception_v3). ``optimize(m)(x)`` must equal ``m(x)`` within rtol 1e-4 and
+atol 1e-4 times the output's scale (its largest magnitude), and ``report()`` must show no
+fallback row. Each network is built and optimized once per module; the batch-3 call then
+builds and caches the second plan of the same ``OptimizedModule``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+import middleware
+
+torchvision = pytest.importorskip("torchvision")
+
+RTOL, ATOL = 1e-4, 1e-4
+
+NETWORKS: dict[str, tuple[Callable[[], nn.Module], int]] = {
+    "alexnet": (lambda: torchvision.models.alexnet(), 224),
+    "vgg16": (lambda: torchvision.models.vgg16(), 224),
+    "resnet18": (lambda: torchvision.models.resnet18(), 224),
+    "resnet50": (lambda: torchvision.models.resnet50(), 224),
+    "densenet121": (lambda: torchvision.models.densenet121(), 224),
+    "squeezenet1_1": (lambda: torchvision.models.squeezenet1_1(), 224),
+    "mobilenet_v2": (lambda: torchvision.models.mobilenet_v2(), 224),
+    "mobilenet_v3_small": (lambda: torchvision.models.mobilenet_v3_small(), 224),
+    "googlenet": (
+        lambda: torchvision.models.googlenet(aux_logits=False, init_weights=True),
+        224,
+    ),
+    "inception_v3": (
+        lambda: torchvision.models.inception_v3(aux_logits=False, init_weights=True),
+        299,
+    ),
+    "shufflenet_v2_x1_0": (lambda: torchvision.models.shufflenet_v2_x1_0(), 224),
+}
+
+
+class _Built:
+    def __init__(self, name: str) -> None:
+        make, size = NETWORKS[name]
+        torch.manual_seed(0)
+        self.model = make().eval()
+        self.optimized = middleware.optimize(self.model)
+        self.inputs = torch.randn(3, 3, size, size)
+
+
+@pytest.fixture(scope="module")
+def built() -> Callable[[str], _Built]:
+    """Each network built and optimized once for the whole module."""
+    cache: dict[str, _Built] = {}
+
+    def get(name: str) -> _Built:
+        if name not in cache:
+            cache.clear()  # keep one network alive at a time
+            cache[name] = _Built(name)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "batch"), [pytest.param(n, b, id=f"{n}-b{b}") for n in NETWORKS for b in (1, 3)]
+)
+def test_network_matches_pytorch(name: str, batch: int, built) -> None:
+    net = built(name)
+    x = net.inputs[:batch].clone()
+    with torch.no_grad():
+        expected = net.model(x)
+    got = net.optimized(x)
+    assert isinstance(got, torch.Tensor) and got.shape == expected.shape == (batch, 1000)
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL * scale)
+    report = net.optimized.report()
+    assert report.fallbacks == [], str(report)
+    assert report.rows and all(r.runs_as in ("vendor", "generated") for r in report.rows)
+    assert net.optimized.graph.values[net.optimized.graph.inputs[0]].shape[0] == batch
