@@ -1,0 +1,583 @@
+"""Depth-first schedules of I/O-bound groups (backend-neutral).
+
+``schedule_group(graph, nodes, hardware)`` turns a group of io nodes (a chain or small
+DAG with one output value) into a frozen :class:`Schedule`:
+
+1. Every node's loop semantics come from ``middleware.loops``. Nodes are gathered into
+   *stages*: a stage computes one value into a buffer. Pointwise nodes with a single
+   reader are inlined into their reader's expression; a window op (pooling, depthwise
+   conv) read at its own point by a pointwise node becomes that stage's reduction (its
+   epilogue). Everything else (a value read through a window, or read twice) is
+   materialised in a per-tile scratch buffer.
+2. The final output is tiled (tile sizes and thread/SIMD mapping from ``Hardware``). The
+   region of every scratch value and input a tile needs is the image of the tile under the
+   access relations (islpy maps), pulled backwards stage by stage, halos included.
+3. Loop bounds, window ranges, scratch origins and extents, and the element counts of
+   averaging windows are read off these isl sets (``middleware.isl_helpers``) and kept as
+   C-syntax affine text (isl's printer: ``min``, ``max``, ``floord``, ``?:``), which is
+   also valid CUDA.
+
+Record conventions (for every renderer):
+* Logical index space of every value: ``(n, c, h, w)``; loop variables carry those names,
+  window variables are ``k_h``/``k_w``, tile origins ``t_n``/``t_c``/``t_h``.
+* All bounds are inclusive. ``Loop.lo``/``Loop.hi`` may refer to the tile origins and to
+  the variables of enclosing loops only.
+* A scratch buffer element ``(n, c, h, w)`` lives at ``sum((x_d - origin_d) * stride_d)``
+  with ``origin_d`` (text over tile origins) and strides from ``extent`` in the
+  schedule's ``layout`` order; a global buffer uses its own shape and layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+import islpy as isl
+
+from .. import isl_helpers as ih
+from ..graph import Graph, Node, TensorType
+from ..hardware import Hardware
+from ..loops import (
+    DIMS,
+    Acc,
+    Call,
+    Expr,
+    Load,
+    NotFusable,
+    OpLoops,
+    ParamVec,
+    Window,
+    leaves,
+    logical4,
+    loops_of,
+    substitute,
+)
+
+ORDER = {"nchw": (0, 1, 2, 3), "nhwc": (0, 2, 3, 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A tensor the kernel touches. ``role``: "input" | "output" | "scratch".
+
+    ``shape`` is the logical ``(n, c, h, w)`` shape; ``torch_shape`` the value's real shape.
+    For scratch buffers ``origin`` gives, per dim, the first index a tile holds (text over
+    the tile origins) and ``extent`` the most elements any tile holds (the allocation);
+    for global buffers ``origin`` is all "0" and ``extent`` is ``shape``.
+    """
+
+    name: str
+    value: str
+    role: str
+    shape: tuple[int, int, int, int]
+    torch_shape: tuple[int, ...]
+    layout: str
+    origin: tuple[str, str, str, str]
+    extent: tuple[int, int, int, int]
+
+    @property
+    def strides(self) -> tuple[int, int, int, int]:
+        """Element strides of the logical dims in memory."""
+        e = self.extent
+        s = [0, 0, 0, 0]
+        acc = 1
+        for d in reversed(ORDER[self.layout]):
+            s[d] = acc
+            acc *= e[d]
+        return tuple(s)  # type: ignore[return-value]
+
+    @property
+    def elements(self) -> int:
+        return self.extent[0] * self.extent[1] * self.extent[2] * self.extent[3]
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """``for var in lo..hi`` (inclusive). ``simd``: the contiguous innermost loop."""
+
+    var: str
+    lo: str
+    hi: str
+    simd: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """``acc = init; for window loops: for inner: acc = op(acc, body)``.
+
+    ``loops`` are the window loops (and, when the innermost dim has a window, its window
+    loop last), scanned inside the stage's outer loops; ``inner`` is the innermost data
+    loop for the accumulation, its bounds depending on the window variables.
+    ``divisor`` is "" or C-syntax text over the output coordinates (averaging pools).
+    """
+
+    op: str  # "max" | "sum"
+    init: float
+    body: Expr
+    loops: tuple[Loop, ...]
+    inner: Loop
+    divisor: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """Computes ``target`` over its tile region: outer ``loops`` then the SIMD ``inner``
+    loop storing ``expr`` (where :class:`~middleware.loops.Acc` is the reduction result)."""
+
+    name: str
+    nodes: tuple[str, ...]
+    target: str  # buffer name
+    loops: tuple[Loop, ...]
+    inner: Loop
+    expr: Expr
+    reduction: Reduction | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Tiles of the final output: ``params[d]`` is the origin variable of dim ``d`` (""
+    when untiled), ``sizes[d]`` the tile size; tiles are distributed over ``threads``."""
+
+    params: tuple[str, str, str, str]
+    sizes: tuple[int, int, int, int]
+    extents: tuple[int, int, int, int]
+    threads: int
+    scratch_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One depth-first fused group, ready to render.
+
+    ``inputs``/``outputs`` list buffer names in the kernel's argument order (graph value
+    names are in ``Buffer.value``); ``params`` are the constant vectors the expressions
+    use; ``stages`` run in order inside each tile; ``acc_elems`` is the size of the
+    per-thread accumulator row.
+    """
+
+    name: str
+    layers: tuple[str, ...]
+    ops: tuple[str, ...]
+    layout: str  # loop order of the tile: "nchw" (w innermost) or "nhwc" (c innermost)
+    buffers: tuple[Buffer, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: tuple[ParamVec, ...]
+    stages: tuple[Stage, ...]
+    tiling: Tiling
+    acc_elems: int
+    simd_floats: int
+    description: str
+
+    def buffer(self, name: str) -> Buffer:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    def buffer_of(self, value: str) -> Buffer:
+        for b in self.buffers:
+            if b.value == value:
+                return b
+        raise KeyError(value)
+
+
+# --------------------------------------------------------------------- helpers
+def c_ident(name: str) -> str:
+    """A C identifier from a layer or value name (``layer1.0.bn1`` -> ``layer1_0_bn1``)."""
+    s = re.sub(r"[^0-9a-zA-Z_]", "_", name)
+    if not s or s[0].isdigit():
+        s = "v_" + s
+    return s
+
+
+def _subst_vars(text: str, mapping: dict[str, str]) -> str:
+    if not mapping:
+        return text
+    pat = re.compile(r"\b(" + "|".join(re.escape(k) for k in mapping) + r")\b")
+    return pat.sub(lambda m: f"({mapping[m.group(1)]})", text)
+
+
+def compose(expr: Expr, index: Sequence[str]) -> Expr:
+    """``expr`` (in its own coordinates n, c, h, w) evaluated at ``index``."""
+    mapping = dict(zip(DIMS, index, strict=True))
+
+    def leaf(x: Expr) -> Expr | None:
+        if isinstance(x, Load):
+            return Load(x.value, tuple(_subst_vars(i, mapping) for i in x.index))  # type: ignore[arg-type]
+        if isinstance(x, ParamVec):
+            return ParamVec(x.name, x.data, _subst_vars(x.index, mapping))
+        return None
+
+    return substitute(expr, leaf)
+
+
+@dataclasses.dataclass
+class _StageDraft:
+    value: str
+    nodes: list[str]
+    expr: Expr
+    red: OpLoops | None = None
+
+
+def _group_io(graph: Graph, names: Sequence[str]) -> tuple[list[str], list[str]]:
+    inside = set(names)
+    produced = {v for n in names for v in graph.node(n).outputs}
+    ins: list[str] = []
+    for n in names:
+        for v in graph.node(n).inputs:
+            if v not in produced and v not in ins:
+                ins.append(v)
+    outs_graph = set(graph.output_values())
+    outs = []
+    for n in names:
+        for v in graph.node(n).outputs:
+            if v in outs_graph or any(c.name not in inside for c in graph.consumers(v)):
+                outs.append(v)
+    return ins, outs
+
+
+def _uses_inside(graph: Graph, names: set[str], value: str) -> int:
+    return sum(c.inputs.count(value) for c in graph.consumers(value) if c.name in names)
+
+
+def _plan_stages(graph: Graph, names: Sequence[str], out: str) -> list[_StageDraft]:
+    """Decide which values are materialised and build each stage's expression."""
+    inside = set(names)
+    sem: dict[str, OpLoops] = {}
+    producer: dict[str, Node] = {}
+    for n in names:
+        node = graph.node(n)
+        sem[node.outputs[0]] = loops_of(graph, node)
+        producer[node.outputs[0]] = node
+    drafts: dict[str, _StageDraft] = {}
+    todo = [out]
+    while todo:
+        v = todo.pop()
+        if v in drafts:
+            continue
+        node = producer[v]
+        lp = sem[v]
+        draft = _StageDraft(v, [node.name], lp.expr, lp if lp.kind == "reduce" else None)
+
+        def expand(expr: Expr, draft: _StageDraft, window_read: bool) -> Expr:
+            def leaf(x: Expr) -> Expr | None:
+                if not isinstance(x, Load) or x.value not in producer:
+                    return None
+                src = producer[x.value]
+                slp = sem[x.value]
+                single = _uses_inside(graph, inside, x.value) == 1 and x.value != out
+                own_point = tuple(x.index) == DIMS
+                if single and slp.kind == "pointwise" and not window_read:
+                    draft.nodes.insert(0, src.name)
+                    return expand(compose(slp.expr, x.index), draft, False)
+                if single and slp.kind == "reduce" and own_point and draft.red is None:
+                    draft.red = slp
+                    draft.nodes.insert(0, src.name)
+                    return expand(slp.expr, draft, False)
+                todo.append(x.value)
+                return None
+
+            return substitute(expr, leaf)
+
+        draft.expr = expand(draft.expr, draft, False)
+        if draft.red is not None:
+            body = expand(draft.red.body, draft, True)  # type: ignore[arg-type]
+            draft.red = dataclasses.replace(draft.red, body=body)
+        drafts[v] = draft
+    order = {graph.node(n).outputs[0]: i for i, n in enumerate(names)}
+    return sorted(drafts.values(), key=lambda d: order[d.value])
+
+
+def _loads(d: _StageDraft) -> list[tuple[Load, bool]]:
+    """(load, read through the reduction window?) of a stage."""
+    out = [(x, False) for x in leaves(d.expr) if isinstance(x, Load)]
+    if d.red is not None and d.red.body is not None:
+        out += [(x, True) for x in leaves(d.red.body) if isinstance(x, Load)]
+    return out
+
+
+def _window_constraints(windows: Sequence[Window]) -> list[str]:
+    cons = []
+    for win in windows:
+        o = DIMS[win.dim]
+        c = re.sub(r"\bk\b", win.var, win.constraint)
+        c = re.sub(r"\bo\b", o, c)
+        cons.append(c)
+    return cons
+
+
+def _valid(index: Sequence[str], shape: Sequence[int]) -> list[str]:
+    return [f"0 <= {ix} < {s}" for ix, s in zip(index, shape, strict=True)]
+
+
+class _Builder:
+    def __init__(self, graph: Graph, names: Sequence[str], hw: Hardware) -> None:
+        self.graph = graph
+        self.names = list(names)
+        self.hw = hw
+        ins, outs = _group_io(graph, names)
+        if len(outs) != 1:
+            raise NotFusable(f"group has {len(outs)} values read outside it ({outs}); one needed")
+        self.ins, self.out = ins, outs[0]
+        self.drafts = _plan_stages(graph, names, self.out)
+        loaded = {x.value for d in self.drafts for x, _ in _loads(d)}
+        self.ins = [v for v in ins if v in loaded]
+        ins = self.ins
+        out_t = graph.values[self.out]
+        self.out4 = logical4(out_t)
+        lay = out_t.layout if out_t.rank == 4 else None
+        if lay is None:
+            lay = next((graph.values[v].layout for v in ins if graph.values[v].rank == 4), "nchw")
+        self.layout = lay
+        self.inner_dim = ORDER[lay][-1]
+        self.value_ids = {v: c_ident(v) for v in ins + [d.value for d in self.drafts]}
+
+    # ---------------------------------------------------------------- regions
+    def regions(self, tiling: Tiling) -> dict[str, isl.Set]:
+        """Region (isl set over the tile origins) of each stage's value, output first."""
+        tile = ih.tile_set(
+            "T", DIMS, self.out4, tiling.sizes, tiling.params
+        )
+        regions: dict[str, isl.Set] = {self.out: tile}
+        for d in reversed(self.drafts):
+            reg = regions[d.value].set_tuple_name("S")
+            windows = d.red.windows if d.red is not None else ()
+            for load, through in _loads(d):
+                shape = logical4(self.graph.values[load.value])
+                cons = _window_constraints(windows) if through else []
+                exists = [w.var for w in windows] if through else []
+                cons += _valid(load.index, shape)
+                acc = ih.access_map("S", DIMS, "T", load.index, exists, cons)
+                img = ih.image(reg, acc)
+                prev = regions.get(load.value)
+                regions[load.value] = img if prev is None else prev.union(img).coalesce()
+        return regions
+
+    # ------------------------------------------------------------------ tiling
+    def tiling_for(self, rows: int) -> Tiling:
+        n, c, h, w = self.out4
+        if self.layout == "nhwc":
+            params = ("t_n", "", "t_h" if rows < h else "", "")
+            sizes = (1, c, min(rows, h), w)
+        else:
+            params = ("t_n", "t_c" if c > 1 else "", "t_h" if rows < h else "", "")
+            sizes = (1, 1, min(rows, h), w)
+        return Tiling(params, sizes, self.out4, self.hw.cores, 0)  # type: ignore[arg-type]
+
+    def scratch_bytes(self, regions: dict[str, isl.Set]) -> int:
+        total = 0
+        for d in self.drafts:
+            if d.value == self.out:
+                continue
+            ext = 1
+            for k in range(4):
+                ext *= max(1, ih.max_extent(regions[d.value], k))
+            total += ext * 4
+        return total
+
+    def choose_tiling(self) -> tuple[Tiling, dict[str, isl.Set]]:
+        """Tallest row block whose scratch fits half the L2 and that still gives every
+        core several tiles (load balance)."""
+        n, c, h, w = self.out4
+        budget = self.hw.l2_bytes // 2
+        per_tile_cols = n * (1 if self.layout == "nhwc" else c)
+        best = None
+        for rows in (64, 32, 16, 8, 4, 2, 1):
+            if rows > h and rows != 1 and best is not None:
+                continue
+            t = self.tiling_for(rows)
+            tiles = per_tile_cols * -(-h // t.sizes[2])
+            regs = self.regions(t)
+            sb = self.scratch_bytes(regs)
+            best = (dataclasses.replace(t, scratch_bytes=sb), regs)
+            if sb <= budget and tiles >= 4 * self.hw.cores:
+                break
+        assert best is not None
+        return best
+
+    # ----------------------------------------------------------------- bounds
+    def context(self, tiling: Tiling) -> str:
+        ps = [p for p in tiling.params if p]
+        cons = [f"0 <= {p} < {e}" for p, e in zip(tiling.params, tiling.extents, strict=True) if p]
+        return f"[{', '.join(ps)}] -> {{ : {' and '.join(cons) or 'true'} }}"
+
+    def stage_loops(self, region: isl.Set) -> tuple[tuple[Loop, ...], Loop]:
+        order = ORDER[self.layout]
+        b = ih.loop_bounds(region, order)
+        loops = tuple(Loop(DIMS[d], lo, hi) for d, (lo, hi) in zip(order[:-1], b[:-1], strict=True))
+        d = order[-1]
+        return loops, Loop(DIMS[d], b[-1][0], b[-1][1], simd=True)
+
+    def reduction(self, d: _StageDraft, region: isl.Set, ctx: str) -> Reduction:
+        red = d.red
+        assert red is not None and red.body is not None
+        windows = red.windows
+        order = ORDER[self.layout]
+        in_value = next(x.value for x, through in _loads(d) if through)
+        in_shape = logical4(self.graph.values[in_value])
+        cons = _window_constraints(windows)
+        for win in windows:
+            cons.append(f"0 <= {win.input_index()} < {in_shape[win.dim]}")
+        kvars = [w.var for w in windows]
+        dom = isl.Set(
+            f"{{ S[{', '.join(DIMS)}, {', '.join(kvars)}] : {' and '.join(cons)} }}"
+        )
+        ext = region.set_tuple_name("S").insert_dims(isl.dim_type.set, 4, len(kvars))
+        for i, k in enumerate(kvars):
+            ext = ext.set_dim_name(isl.dim_type.set, 4 + i, k)
+        ext = ext.set_tuple_name("S")
+        dom, ext = ih.align_params(dom, ext)
+        full = ih.with_params(ext.intersect(dom), ctx)
+        inner = order[-1]
+        inner_win = [i for i, w in enumerate(windows) if w.dim == inner]
+        other_win = [i for i, w in enumerate(windows) if w.dim != inner]
+        scan = list(order[:-1]) + [4 + i for i in other_win] + [4 + i for i in inner_win] + [inner]
+        bounds = ih.loop_bounds(full, scan)
+        names = [DIMS[i] if i < 4 else kvars[i - 4] for i in scan]
+        loops = tuple(
+            Loop(nm, lo, hi) for nm, (lo, hi) in zip(names[3:-1], bounds[3:-1], strict=True)
+        )
+        inner_loop = Loop(names[-1], bounds[-1][0], bounds[-1][1], simd=True)
+        divisor = ""
+        if red.divisor.startswith("const:"):
+            divisor = red.divisor.split(":", 1)[1]
+        elif red.divisor:
+            counts = []
+            for win in windows:
+                o = DIMS[win.dim]
+                c = re.sub(r"\bk\b", win.var, re.sub(r"\bo\b", o, win.constraint))
+                ix = win.input_index()
+                if red.divisor == "include_pad":
+                    valid = f"{win.padded_lo} <= {ix} < {win.padded_hi}"
+                else:
+                    valid = f"0 <= {ix} < {in_shape[win.dim]}"
+                ks = ih.with_params(
+                    isl.Set(f"[{o}] -> {{ [{win.var}] : {c} and {valid} }}"), ctx
+                )
+                lo, hi = ks.dim_min(0), ks.dim_max(0)
+                counts.append(f"({ih.c_expr(hi.sub(lo))} + 1)")
+            divisor = " * ".join(counts)
+        return Reduction(red.reduce, red.init, red.body, loops, inner_loop, divisor)
+
+    # ------------------------------------------------------------------ build
+    def build(self, name: str) -> Schedule:
+        tiling, regions = self.choose_tiling()
+        ctx = self.context(tiling)
+        buffers: list[Buffer] = []
+        g = self.graph
+        for v in self.ins:
+            t = g.values[v]
+            s4 = logical4(t)
+            buffers.append(
+                Buffer(self.value_ids[v], v, "input", s4, t.shape, _mem_layout(t), ("0",) * 4, s4)  # type: ignore[arg-type]
+            )
+        for d in self.drafts:
+            t = g.values[d.value]
+            s4 = logical4(t)
+            if d.value == self.out:
+                buffers.append(
+                    Buffer(self.value_ids[d.value], d.value, "output", s4, t.shape, _mem_layout(t), ("0",) * 4, s4)  # type: ignore[arg-type]
+                )
+                continue
+            reg = ih.with_params(regions[d.value], ctx)
+            origin = tuple(ih.c_expr(reg.dim_min(k), reg.params()) for k in range(4))
+            extent = tuple(max(1, ih.max_extent(reg, k)) for k in range(4))
+            buffers.append(
+                Buffer(self.value_ids[d.value], d.value, "scratch", s4, t.shape, self.layout, origin, extent)  # type: ignore[arg-type]
+            )
+        stages = []
+        acc = 1
+        for d in self.drafts:
+            reg = ih.with_params(regions[d.value], ctx).set_tuple_name("S")
+            loops, inner = self.stage_loops(reg)
+            red = self.reduction(d, reg, ctx) if d.red is not None else None
+            if red is not None:
+                acc = max(acc, ih.max_extent(reg, ORDER[self.layout][-1]))
+            label = " + ".join(g.node(n).source or n for n in d.nodes)
+            stages.append(
+                Stage(label, tuple(d.nodes), self.value_ids[d.value], loops, inner, d.expr, red)
+            )
+        params: dict[str, ParamVec] = {}
+        for d in self.drafts:
+            exprs = [d.expr] + ([d.red.body] if d.red is not None and d.red.body else [])
+            for e in exprs:
+                for x in leaves(e):
+                    if isinstance(x, ParamVec):
+                        params.setdefault(x.name, x)
+        layers = tuple(self.names)
+        desc = describe(g, self.names, self.ins, self.out)
+        return Schedule(
+            name=name,
+            layers=layers,
+            ops=tuple(g.node(n).op for n in self.names),
+            layout=self.layout,
+            buffers=tuple(buffers),
+            inputs=tuple(self.value_ids[v] for v in self.ins),
+            outputs=(self.value_ids[self.out],),
+            params=tuple(params.values()),
+            stages=tuple(stages),
+            tiling=tiling,
+            acc_elems=acc,
+            simd_floats=self.hw.simd_floats,
+            description=desc,
+        )
+
+
+def _mem_layout(t: TensorType) -> str:
+    return t.layout if t.rank == 4 else "nchw"
+
+
+def describe(graph: Graph, names: Sequence[str], ins: Sequence[str], out: str) -> str:
+    """Readable lines: every layer with its op and output type, the inputs and the output."""
+    lines = [f"input  {v}: {graph.values[v]}" for v in ins]
+    for n in names:
+        node = graph.node(n)
+        src = f" ({node.source})" if node.source and node.source != n else ""
+        lines.append(
+            f"{node.outputs[0]} = {node.op}({', '.join(node.inputs)}){src}: "
+            f"{graph.values[node.outputs[0]]}"
+        )
+    lines.append(f"output {out}: {graph.values[out]}")
+    return "\n".join(lines)
+
+
+def group_name(graph: Graph, names: Sequence[str]) -> str:
+    """A readable kernel name: ``g<group>_<op>_<op>...`` (ops of the group, shortened)."""
+    first = graph.node(names[0])
+    gid = f"g{first.group}" if first.group is not None else "g"
+    ops = "_".join(graph.node(n).op for n in names)
+    if len(ops) > 60:
+        ops = ops[:60].rstrip("_")
+    return c_ident(f"{gid}_{ops}")
+
+
+def schedule_group(graph: Graph, names: Sequence[str], hardware: Hardware) -> Schedule:
+    """The depth-first schedule of the io group ``names`` (node names in topological order).
+
+    Raises :class:`~middleware.loops.NotFusable` with the reason when the group cannot be
+    generated (an op without loop semantics, several outputs, an unsupported layout).
+    """
+    if not names:
+        raise NotFusable("empty group")
+    for n in names:
+        node = graph.node(n)
+        for v in node.inputs + node.outputs:
+            if graph.values[v].dtype != "float32":
+                raise NotFusable(f"value {v} is {graph.values[v].dtype}")
+    b = _Builder(graph, names, hardware)
+    return b.build(group_name(graph, names))
+
+
+__all__ = [
+    "Acc",
+    "Buffer",
+    "Call",
+    "Loop",
+    "Reduction",
+    "Schedule",
+    "Stage",
+    "Tiling",
+    "schedule_group",
+]
