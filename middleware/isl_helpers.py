@@ -8,6 +8,7 @@ computed by hand.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import islpy as isl
@@ -69,6 +70,13 @@ def image(region: isl.Set, access: isl.Map) -> isl.Set:
     return region.apply(access.intersect_domain(region))
 
 
+def name_dims(s: isl.Set, names: Sequence[str]) -> isl.Set:
+    """``s`` with its set dims named ``names``."""
+    for i, nm in enumerate(names):
+        s = s.set_dim_name(isl.dim_type.set, i, nm)
+    return s
+
+
 def rename_set(s: isl.Set, name: str) -> isl.Set:
     return s.set_tuple_name(name)
 
@@ -84,7 +92,10 @@ def c_expr(pa: isl.PwAff, context: isl.Set | None = None) -> str:
     if context is None:
         context = pa.domain().params() if pa.dim(isl.dim_type.in_) else pa.domain()
     build = isl.AstBuild.from_context(context.params())
-    return build.expr_from_pw_aff(pa).to_C_str()
+    text = build.expr_from_pw_aff(pa).to_C_str()
+    if re.fullmatch(r"-?[A-Za-z_0-9]+", text):
+        return text
+    return f"({text})"
 
 
 def loop_bounds(s: isl.Set, order: Sequence[int]) -> list[tuple[str, str]]:

@@ -350,7 +350,7 @@ class _Builder:
                 exists = [w.var for w in windows] if through else []
                 cons += _valid(load.index, shape)
                 acc = ih.access_map("S", DIMS, "T", load.index, exists, cons)
-                img = ih.image(reg, acc)
+                img = ih.name_dims(ih.image(reg, acc), DIMS)
                 prev = regions.get(load.value)
                 regions[load.value] = img if prev is None else prev.union(img).coalesce()
         return regions
@@ -377,10 +377,14 @@ class _Builder:
             total += ext * 4
         return total
 
-    def choose_tiling(self) -> tuple[Tiling, dict[str, isl.Set]]:
+    def choose_tiling(self, rows: int | None = None) -> tuple[Tiling, dict[str, isl.Set]]:
         """Tallest row block whose scratch fits half the L2 and that still gives every
-        core several tiles (load balance)."""
+        core several tiles (load balance); ``rows`` forces the block height."""
         n, c, h, w = self.out4
+        if rows is not None:
+            t = self.tiling_for(rows)
+            regs = self.regions(t)
+            return dataclasses.replace(t, scratch_bytes=self.scratch_bytes(regs)), regs
         budget = self.hw.l2_bytes // 2
         per_tile_cols = n * (1 if self.layout == "nhwc" else c)
         best = None
@@ -462,8 +466,8 @@ class _Builder:
         return Reduction(red.reduce, red.init, red.body, loops, inner_loop, divisor)
 
     # ------------------------------------------------------------------ build
-    def build(self, name: str) -> Schedule:
-        tiling, regions = self.choose_tiling()
+    def build(self, name: str, rows: int | None = None) -> Schedule:
+        tiling, regions = self.choose_tiling(rows)
         ctx = self.context(tiling)
         buffers: list[Buffer] = []
         g = self.graph
@@ -553,11 +557,14 @@ def group_name(graph: Graph, names: Sequence[str]) -> str:
     return c_ident(f"{gid}_{ops}")
 
 
-def schedule_group(graph: Graph, names: Sequence[str], hardware: Hardware) -> Schedule:
+def schedule_group(
+    graph: Graph, names: Sequence[str], hardware: Hardware, tile_rows: int | None = None
+) -> Schedule:
     """The depth-first schedule of the io group ``names`` (node names in topological order).
 
     Raises :class:`~middleware.loops.NotFusable` with the reason when the group cannot be
     generated (an op without loop semantics, several outputs, an unsupported layout).
+    ``tile_rows`` forces the height of a tile in output rows (else chosen from the caches).
     """
     if not names:
         raise NotFusable("empty group")
@@ -567,7 +574,7 @@ def schedule_group(graph: Graph, names: Sequence[str], hardware: Hardware) -> Sc
             if graph.values[v].dtype != "float32":
                 raise NotFusable(f"value {v} is {graph.values[v].dtype}")
     b = _Builder(graph, names, hardware)
-    return b.build(group_name(graph, names))
+    return b.build(group_name(graph, names), tile_rows)
 
 
 __all__ = [

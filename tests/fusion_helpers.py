@@ -93,6 +93,7 @@ def check_group(g: Graph, cache: Path, seed: int = 0, atol: float = 1e-5, rtol: 
     xs = random_inputs(g, seed)
     ref = g.evaluate(*xs)
     by_name = dict(zip(g.inputs, xs, strict=True))
+    by_name.update({p: torch.from_numpy(a) for p, a in g.params.items()})
     got = kernel.fn(*[by_name[v] for v in kernel.inputs])
     assert got.shape == ref.shape
     out_t = g.values[g.output_values()[0]]
