@@ -8,6 +8,7 @@ computed by hand.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
@@ -148,3 +149,28 @@ def with_params(s: isl.Set, context: str) -> isl.Set:
 def key(obj: isl.Set | isl.Map) -> str:
     """A stable text form for cache keys."""
     return str(obj)
+
+
+_VARS = ("n", "c", "h", "w", "k_h", "k_w")
+
+
+@functools.cache
+def affine_c(text: str) -> str:
+    """An index expression in isl syntax over ``n, c, h, w, k_h, k_w`` as C text; plain
+    affine text is returned as is, ``floor``/``mod`` go through isl's printer."""
+    if "floor" not in text and "mod" not in text:
+        return text
+    pa = isl.PwAff(f"[{', '.join(_VARS)}] -> {{ [({text})] }}")
+    ctx = isl.Set(f"[{', '.join(_VARS)}] -> {{ : {' and '.join(f'{v} >= 0' for v in _VARS[:4])} }}")
+    return c_expr(pa.intersect_params(ctx), ctx)
+
+
+def guard(s: isl.Set, context: isl.Set) -> str:
+    """C condition on the parameters under which ``s`` is not empty ("" when it never is
+    empty in ``context``)."""
+    dom = s.params()
+    dom, context = align_params(dom, context)
+    if context.is_subset(dom):
+        return ""
+    build = isl.AstBuild.from_context(context)
+    return build.expr_from_set(dom.intersect(context)).to_C_str()

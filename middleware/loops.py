@@ -156,6 +156,10 @@ class OpLoops:
     broadcast). ``kind`` "reduce": ``body`` is reduced with ``reduce`` ("max"|"sum") over
     ``windows``, starting from ``init``; ``expr`` (with :class:`Acc`) is the stored value;
     ``divisor`` names an averaging rule ("" | "include_pad" | "valid" | "const:<d>").
+    ``kind`` "cat": ``slices`` say which channels of the output each input fills.
+
+    Index text uses isl syntax (``floor(c/2)``, ``c mod 2`` for channel shuffles); a
+    renderer turns it into its own (``middleware.isl_helpers.affine_c``).
     """
 
     kind: str
@@ -165,6 +169,9 @@ class OpLoops:
     init: float = 0.0
     windows: tuple[Window, ...] = ()
     divisor: str = ""
+    # kind "cat": (input value, first channel, channels) per input; each input is computed
+    # straight into its slice of the output (no copy of a materialised input).
+    slices: tuple[tuple[str, int, int], ...] = ()
 
 
 def logical4(t: TensorType, rank: int | None = None) -> tuple[int, int, int, int]:
@@ -472,7 +479,51 @@ def _conv2d_depthwise(graph: Graph, node: Node) -> OpLoops:
     return OpLoops("reduce", expr, body=body, reduce="sum", windows=wins)
 
 
+def _cat(graph: Graph, node: Node) -> OpLoops:
+    out_t = graph.values[node.outputs[0]]
+    dim = int(node.attrs["dim"]) % max(1, out_t.rank)
+    if dim != 1 or out_t.rank not in (2, 4):
+        raise NotFusable(f"cat along dim {dim} of a rank {out_t.rank} value (channels only)")
+    slices, off = [], 0
+    for v in node.inputs:
+        ch = graph.values[v].shape[1]
+        slices.append((v, off, ch))
+        off += ch
+    return OpLoops("cat", Const(0.0), slices=tuple(slices))
+
+
+def shuffle_source(graph: Graph, node: Node) -> tuple[str, int] | None:
+    """``(input, groups)`` when ``node`` ends a channel shuffle ``reshape(N,g,C/g,H,W) ->
+    permute(0,2,1,3,4) -> reshape(N,C,H,W)``, else None."""
+    if node.op not in ("reshape", "flatten"):
+        return None
+    perm = graph.producer(node.inputs[0])
+    if perm is None or perm.op != "permute" or tuple(perm.attrs["dims"]) != (0, 2, 1, 3, 4):
+        return None
+    split = graph.producer(perm.inputs[0])
+    if split is None or split.op != "reshape":
+        return None
+    src = split.inputs[0]
+    s_in, s_mid = graph.values[src].shape, graph.values[split.outputs[0]].shape
+    if len(s_in) != 4 or len(s_mid) != 5 or tuple(graph.values[node.outputs[0]].shape) != tuple(s_in):
+        return None
+    g = s_mid[1]
+    if s_mid != (s_in[0], g, s_in[1] // g, s_in[2], s_in[3]):
+        return None
+    return src, g
+
+
+def _reshape(graph: Graph, node: Node) -> OpLoops:
+    sh = shuffle_source(graph, node)
+    if sh is None:
+        return _view(graph, node)
+    src, g = sh
+    per = graph.values[src].shape[1] // g
+    return OpLoops("pointwise", Load(src, ("n", f"(c mod {g})*{per} + floor(c/{g})", "h", "w")))
+
+
 RULES: dict[str, Callable[[Graph, Node], OpLoops]] = {
+    "cat": _cat,
     "batch_norm": _batch_norm,
     **{a: _activation for a in ACTIVATIONS},
     **{b: _binary for b in ("add", "sub", "mul", "div")},
@@ -483,6 +534,8 @@ RULES: dict[str, Callable[[Graph, Node], OpLoops]] = {
     "adaptive_max_pool2d": _adaptive,
     "mean": _mean,
     **{v: _view for v in VIEWS},
+    "reshape": _reshape,
+    "flatten": _reshape,
     "conv2d": _conv2d_depthwise,
 }
 

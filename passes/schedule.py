@@ -132,6 +132,9 @@ class Stage:
     inner: Loop
     expr: Expr
     reduction: Reduction | None = None
+    # C-syntax condition over the tile origins; the stage runs only in tiles where it holds
+    # ("" = always), e.g. a concat slice in an NCHW tile of another channel.
+    guard: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +222,7 @@ class _StageDraft:
     nodes: list[str]
     expr: Expr
     red: OpLoops | None = None
+    channels: tuple[int, int] | None = None  # a cat slice: (first channel, count)
 
 
 def _group_io(graph: Graph, names: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -242,52 +246,117 @@ def _uses_inside(graph: Graph, names: set[str], value: str) -> int:
     return sum(c.inputs.count(value) for c in graph.consumers(value) if c.name in names)
 
 
+def _window_dims_identity(index: Sequence[str], windows: Sequence[Window]) -> bool:
+    """A load index that only shifts channels (n, h, w and every window dim unchanged)."""
+    if _strip(index[0]) != "n":
+        return False
+    return all(_strip(index[d]) == DIMS[d] for d in (2, 3))
+
+
+def _strip(text: str) -> str:
+    t = text.strip()
+    while t.startswith("(") and t.endswith(")"):
+        t = t[1:-1].strip()
+    return t
+
+
+def _distributable_cat(graph, inside, out, producer, sem, lp) -> tuple[Load, OpLoops] | None:  # noqa: ANN001
+    """The load of a concat (read once, at the stage's own point) in pointwise ``lp``."""
+    if lp.kind != "pointwise":
+        return None
+    for x in leaves(lp.expr):
+        if (
+            isinstance(x, Load)
+            and x.value in producer
+            and x.value != out
+            and tuple(_strip(i) for i in x.index) == DIMS
+            and _uses_inside(graph, inside, x.value) == 1
+            and sem(x.value).kind == "cat"
+        ):
+            return x, sem(x.value)
+    return None
+
+
 def _plan_stages(graph: Graph, names: Sequence[str], out: str) -> list[_StageDraft]:
     """Decide which values are materialised and build each stage's expression."""
     inside = set(names)
-    sem: dict[str, OpLoops] = {}
     producer: dict[str, Node] = {}
     for n in names:
         node = graph.node(n)
-        sem[node.outputs[0]] = loops_of(graph, node)
         producer[node.outputs[0]] = node
-    drafts: dict[str, _StageDraft] = {}
+    sem_cache: dict[str, OpLoops] = {}
+
+    def sem(v: str) -> OpLoops:
+        if v not in sem_cache:
+            sem_cache[v] = loops_of(graph, producer[v])
+        return sem_cache[v]
+
+    drafts: list[_StageDraft] = []
+    done: set[str] = set()
     todo = [out]
-    while todo:
-        v = todo.pop()
-        if v in drafts:
-            continue
-        node = producer[v]
-        lp = sem[v]
-        draft = _StageDraft(v, [node.name], lp.expr, lp if lp.kind == "reduce" else None)
 
-        def expand(expr: Expr, draft: _StageDraft, window_read: bool) -> Expr:
-            def leaf(x: Expr) -> Expr | None:
-                if not isinstance(x, Load) or x.value not in producer:
-                    return None
-                src = producer[x.value]
-                slp = sem[x.value]
-                single = _uses_inside(graph, inside, x.value) == 1 and x.value != out
-                own_point = tuple(x.index) == DIMS
-                if single and slp.kind == "pointwise" and not window_read:
-                    draft.nodes.insert(0, src.name)
-                    return expand(compose(slp.expr, x.index), draft, False)
-                if single and slp.kind == "reduce" and own_point and draft.red is None:
-                    draft.red = slp
-                    draft.nodes.insert(0, src.name)
-                    return expand(slp.expr, draft, False)
-                todo.append(x.value)
+    def expand(expr: Expr, draft: _StageDraft, window_read: bool) -> Expr:
+        def leaf(x: Expr) -> Expr | None:
+            if not isinstance(x, Load) or x.value not in producer:
                 return None
+            src = producer[x.value]
+            slp = sem(x.value)
+            single = _uses_inside(graph, inside, x.value) == 1 and x.value != out
+            if single and slp.kind == "pointwise" and not window_read:
+                draft.nodes.insert(0, src.name)
+                return expand(compose(slp.expr, x.index), draft, False)
+            if (
+                single
+                and slp.kind == "reduce"
+                and not window_read
+                and draft.red is None
+                and _window_dims_identity(x.index, slp.windows)
+            ):
+                draft.nodes.insert(0, src.name)
+                draft.red = dataclasses.replace(
+                    slp, body=compose(slp.body, x.index)  # type: ignore[arg-type]
+                )
+                return expand(compose(slp.expr, x.index), draft, False)
+            todo.append(x.value)
+            return None
 
-            return substitute(expr, leaf)
+        return substitute(expr, leaf)
 
+    def finish(draft: _StageDraft) -> None:
         draft.expr = expand(draft.expr, draft, False)
         if draft.red is not None:
             body = expand(draft.red.body, draft, True)  # type: ignore[arg-type]
             draft.red = dataclasses.replace(draft.red, body=body)
-        drafts[v] = draft
+        drafts.append(draft)
+
+    while todo:
+        v = todo.pop()
+        if v in done:
+            continue
+        done.add(v)
+        node = producer[v]
+        lp = sem(v)
+        if lp.kind == "cat":
+            for src, first, count in lp.slices:
+                index = ("n", f"c - {first}" if first else "c", "h", "w")
+                finish(_StageDraft(v, [node.name], Load(src, index), None, (first, count)))
+            continue
+        cat = _distributable_cat(graph, inside, out, producer, sem, lp)
+        if cat is not None:
+            # a pointwise op of a concat is computed per slice, straight from each input
+            load, cat_lp = cat
+            for src, first, count in cat_lp.slices:
+                index = ("n", f"c - {first}" if first else "c", "h", "w")
+                expr = substitute(lp.expr, lambda x, load=load, src=src, index=index: (
+                    Load(src, index) if x == load else None
+                ))
+                draft = _StageDraft(v, [producer[load.value].name, node.name], expr, None)
+                draft.channels = (first, count)
+                finish(draft)
+            continue
+        finish(_StageDraft(v, [node.name], lp.expr, lp if lp.kind == "reduce" else None))
     order = {graph.node(n).outputs[0]: i for i, n in enumerate(names)}
-    return sorted(drafts.values(), key=lambda d: order[d.value])
+    return sorted(drafts, key=lambda d: (order[d.value], d.channels or (0, 0)))
 
 
 def _loads(d: _StageDraft) -> list[tuple[Load, bool]]:
@@ -334,6 +403,7 @@ class _Builder:
         self.inner_dim = ORDER[lay][-1]
         self.value_ids = {v: c_ident(v) for v in ins + [d.value for d in self.drafts]}
 
+
     # ---------------------------------------------------------------- regions
     def regions(self, tiling: Tiling) -> dict[str, isl.Set]:
         """Region (isl set over the tile origins) of each stage's value, output first."""
@@ -342,7 +412,7 @@ class _Builder:
         )
         regions: dict[str, isl.Set] = {self.out: tile}
         for d in reversed(self.drafts):
-            reg = regions[d.value].set_tuple_name("S")
+            reg = self.draft_region(regions[d.value], d).set_tuple_name("S")
             windows = d.red.windows if d.red is not None else ()
             for load, through in _loads(d):
                 shape = logical4(self.graph.values[load.value])
@@ -354,6 +424,17 @@ class _Builder:
                 prev = regions.get(load.value)
                 regions[load.value] = img if prev is None else prev.union(img).coalesce()
         return regions
+
+    @staticmethod
+    def draft_region(region: isl.Set, d: _StageDraft) -> isl.Set:
+        """The part of its value's region a stage computes (a cat slice: its channels)."""
+        if d.channels is None:
+            return region
+        first, count = d.channels
+        name = region.get_tuple_name()
+        sl = isl.Set(f"{{ {name}[n, c, h, w] : {first} <= c < {first + count} }}")
+        region, sl = ih.align_params(region, sl)
+        return region.intersect(sl)
 
     # ------------------------------------------------------------------ tiling
     def tiling_for(self, rows: int) -> Tiling:
@@ -368,7 +449,7 @@ class _Builder:
 
     def scratch_bytes(self, regions: dict[str, isl.Set]) -> int:
         total = 0
-        for d in self.drafts:
+        for d in self._values():
             if d.value == self.out:
                 continue
             ext = 1
@@ -376,6 +457,15 @@ class _Builder:
                 ext *= max(1, ih.max_extent(regions[d.value], k))
             total += ext * 4
         return total
+
+    def _values(self) -> list[_StageDraft]:
+        """One draft per materialised value (the first slice of a cat)."""
+        seen, out = set(), []
+        for d in self.drafts:
+            if d.value not in seen:
+                seen.add(d.value)
+                out.append(d)
+        return out
 
     def choose_tiling(self, rows: int | None = None) -> tuple[Tiling, dict[str, isl.Set]]:
         """Tallest row block whose scratch fits half the L2 and that still gives every
@@ -477,7 +567,7 @@ class _Builder:
             buffers.append(
                 Buffer(self.value_ids[v], v, "input", s4, t.shape, _mem_layout(t), ("0",) * 4, s4)  # type: ignore[arg-type]
             )
-        for d in self.drafts:
+        for d in self._values():
             t = g.values[d.value]
             s4 = logical4(t)
             if d.value == self.out:
@@ -494,14 +584,18 @@ class _Builder:
         stages = []
         acc = 1
         for d in self.drafts:
-            reg = ih.with_params(regions[d.value], ctx).set_tuple_name("S")
+            reg = ih.with_params(self.draft_region(regions[d.value], d), ctx)
+            reg = reg.set_tuple_name("S")
             loops, inner = self.stage_loops(reg)
             red = self.reduction(d, reg, ctx) if d.red is not None else None
             if red is not None:
                 acc = max(acc, ih.max_extent(reg, ORDER[self.layout][-1]))
             label = " + ".join(g.node(n).source or n for n in d.nodes)
+            guard = ih.guard(reg, isl.Set(ctx))
             stages.append(
-                Stage(label, tuple(d.nodes), self.value_ids[d.value], loops, inner, d.expr, red)
+                Stage(
+                    label, tuple(d.nodes), self.value_ids[d.value], loops, inner, d.expr, red, guard
+                )
             )
         params: dict[str, ParamVec] = {}
         for d in self.drafts:

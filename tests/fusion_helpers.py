@@ -104,3 +104,25 @@ def check_group(g: Graph, cache: Path, seed: int = 0, atol: float = 1e-5, rtol: 
     kernel.out_fn(*[by_name[v] for v in kernel.inputs], out2)
     torch.testing.assert_close(out2, ref, atol=atol, rtol=rtol)
     return kernel
+
+
+def add(g: Graph, op: str, inputs: Sequence[str], **attrs: Any) -> str:
+    """Append node ``op(inputs; attrs)`` (bound "io", group 0) to ``g``; returns its output."""
+    i = len(g)
+    name = f"layer{i}_{op}"
+    node = Node(name, op, tuple(inputs), (f"v{i}",), attrs, bound="io", group=0, source=f"layers.{i}")
+    g.add_node(node, infer_types(g.values, node))
+    return node.outputs[0]
+
+
+def add_bn(g: Graph, x: str, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    c = g.values[x].shape[1]
+    tag = f"bn{len(g)}"
+    ps = [
+        g.add_param(f"{tag}.mean", rng.standard_normal(c).astype(np.float32)),
+        g.add_param(f"{tag}.var", rng.uniform(0.5, 2, c).astype(np.float32)),
+        g.add_param(f"{tag}.weight", rng.standard_normal(c).astype(np.float32)),
+        g.add_param(f"{tag}.bias", rng.standard_normal(c).astype(np.float32)),
+    ]
+    return add(g, "batch_norm", [x, *ps], eps=1e-5)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jinja2
 
+from ...isl_helpers import affine_c
 from ...loops import DIMS, Load, ParamVec
 from ...passes.schedule import Buffer, Loop, Schedule, Stage
 from .cfuncs import c_expr, c_float
@@ -45,7 +46,7 @@ def address(buf: Buffer, index: tuple[str, ...]) -> str:
     for d in range(4):
         if buf.extent[d] == 1:
             continue
-        ix = _tidy(index[d])
+        ix = _tidy(affine_c(index[d]))
         if buf.role == "scratch":
             ix = f"({ix} - {buf.name}_o{DIMS[d]})"
         terms.append(ix if strides[d] == 1 else f"{ix} * {strides[d]}")
