@@ -27,8 +27,14 @@ def _x86() -> object:
     return X86Backend()
 
 
+def _ispc() -> object:
+    from .x86.backend import IspcBackend
+
+    return IspcBackend()
+
+
 # Fusion backends by name: each entry makes the backend object (imported when asked for).
-BACKENDS = {"x86": _x86}
+BACKENDS = {"x86": _x86, "ispc": _ispc}
 
 
 def get_backend(name: str) -> object:

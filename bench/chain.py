@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from middleware.backends.x86.compile import build_c
+from middleware.frontends import trace
 
 import middleware
-from middleware.backends.x86.compile import build_c
 from middleware.compiler import compile_graph
-from middleware.frontends import trace
 from middleware.graph import Graph
 from middleware.options import Options
 
@@ -111,12 +111,16 @@ def main() -> None:
     opt = middleware.optimize(model, device="cpu", example_inputs=[x_cl], cache_dir=cache)
     opt(x_cl)
     t_opt = time.perf_counter() - t0
+    # feed optimize() the memory order its plan chose (no conversion inside the timing)
+    g_opt = opt.graph
+    x_opt = x_cl if g_opt.values[g_opt.inputs[0]].layout == "nhwc" else x
+    opt(x_opt)
     opts = Options(cache_dir=cache)
     t0 = time.perf_counter()
     compiled = compile_graph(channels_last_graph(trace(model, [x_cl])), opts)
     t_cl = time.perf_counter() - t0
     plan = compiled.plan
-    runs["middleware optimize()"] = lambda: opt(x_cl)
+    runs["middleware optimize()"] = lambda: opt(x_opt)
     runs["middleware channels_last"] = lambda: plan.run([x_cl])
     print(f"middleware: optimize() {t_opt:.1f} s, channels_last compile {t_cl:.1f} s")
     print(compiled.report)
@@ -147,16 +151,22 @@ def main() -> None:
     triad_gbs = triad_bytes / med["stream triad"] / 1e9
     fastest_torch = min(v for k, v in med.items() if k.startswith(("eager", "torch.compile")))
     mw = min(med["middleware optimize()"], med["middleware channels_last"])
-    print(f"\nchain {tuple(args.shape)} float32: {chain_bytes / 1e6:.1f} MB in+out; "
-          f"{args.rounds} rounds after {args.warmup} warm-up, medians, interleaved")
+    print(
+        f"\nchain {tuple(args.shape)} float32: {chain_bytes / 1e6:.1f} MB in+out; "
+        f"{args.rounds} rounds after {args.warmup} warm-up, medians, interleaved"
+    )
     print(f"{'what':30s} {'ms':>9s} {'x fastest torch':>16s} {'GB/s':>7s} {'% triad':>8s}")
     for name, t in med.items():
         nbytes = triad_bytes if name == "stream triad" else chain_bytes
         gbs = nbytes / t / 1e9
-        print(f"{name:30s} {t * 1e3:9.2f} {fastest_torch / t:16.2f} {gbs:7.1f} {100 * gbs / triad_gbs:7.0f}%")
-    print(f"\nmiddleware vs fastest PyTorch: {fastest_torch / mw:.2f}x (target >= 2.5x); "
-          f"effective bandwidth {chain_bytes / mw / 1e9:.1f} GB/s = "
-          f"{100 * chain_bytes / mw / 1e9 / triad_gbs:.0f}% of triad (target >= 70%)")
+        print(
+            f"{name:30s} {t * 1e3:9.2f} {fastest_torch / t:16.2f} {gbs:7.1f} {100 * gbs / triad_gbs:7.0f}%"
+        )
+    print(
+        f"\nmiddleware vs fastest PyTorch: {fastest_torch / mw:.2f}x (target >= 2.5x); "
+        f"effective bandwidth {chain_bytes / mw / 1e9:.1f} GB/s = "
+        f"{100 * chain_bytes / mw / 1e9 / triad_gbs:.0f}% of triad (target >= 70%)"
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 import islpy as isl
 
 
-def box_set(name: str, dims: Sequence[str], extents: Sequence[int], params: Sequence[str] = ()) -> isl.Set:
+def box_set(
+    name: str, dims: Sequence[str], extents: Sequence[int], params: Sequence[str] = ()
+) -> isl.Set:
     """``[params] -> { name[dims] : 0 <= d < extent }``."""
     cons = " and ".join(f"0 <= {d} < {e}" for d, e in zip(dims, extents, strict=True))
     return isl.Set(f"[{', '.join(params)}] -> {{ {name}[{', '.join(dims)}] : {cons} }}")

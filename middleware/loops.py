@@ -240,7 +240,9 @@ def activation_expr(name: str, attrs: dict[str, Any], x: Expr) -> Expr:
                 Const(math.sqrt(2.0 / math.pi)),
                 call("add", x, call("mul", Const(0.044715), call("mul", x, call("mul", x, x)))),
             )
-            return call("mul", call("mul", Const(0.5), x), call("add", Const(1.0), call("tanh", inner)))
+            return call(
+                "mul", call("mul", Const(0.5), x), call("add", Const(1.0), call("tanh", inner))
+            )
         return call(
             "mul",
             call("mul", Const(0.5), x),
@@ -505,7 +507,11 @@ def shuffle_source(graph: Graph, node: Node) -> tuple[str, int] | None:
         return None
     src = split.inputs[0]
     s_in, s_mid = graph.values[src].shape, graph.values[split.outputs[0]].shape
-    if len(s_in) != 4 or len(s_mid) != 5 or tuple(graph.values[node.outputs[0]].shape) != tuple(s_in):
+    if (
+        len(s_in) != 4
+        or len(s_mid) != 5
+        or tuple(graph.values[node.outputs[0]].shape) != tuple(s_in)
+    ):
         return None
     g = s_mid[1]
     if s_mid != (s_in[0], g, s_in[1] // g, s_in[2], s_in[3]):

@@ -314,7 +314,8 @@ def _plan_stages(graph: Graph, names: Sequence[str], out: str) -> list[_StageDra
             ):
                 draft.nodes.insert(0, src.name)
                 draft.red = dataclasses.replace(
-                    slp, body=compose(slp.body, x.index)  # type: ignore[arg-type]
+                    slp,
+                    body=compose(slp.body, x.index),  # type: ignore[arg-type]
                 )
                 return expand(compose(slp.expr, x.index), draft, False)
             todo.append(x.value)
@@ -347,9 +348,12 @@ def _plan_stages(graph: Graph, names: Sequence[str], out: str) -> list[_StageDra
             load, cat_lp = cat
             for src, first, count in cat_lp.slices:
                 index = ("n", f"c - {first}" if first else "c", "h", "w")
-                expr = substitute(lp.expr, lambda x, load=load, src=src, index=index: (
-                    Load(src, index) if x == load else None
-                ))
+                expr = substitute(
+                    lp.expr,
+                    lambda x, load=load, src=src, index=index: (
+                        Load(src, index) if x == load else None
+                    ),
+                )
                 draft = _StageDraft(v, [producer[load.value].name, node.name], expr, None)
                 draft.channels = (first, count)
                 finish(draft)
@@ -403,13 +407,10 @@ class _Builder:
         self.inner_dim = ORDER[lay][-1]
         self.value_ids = {v: c_ident(v) for v in ins + [d.value for d in self.drafts]}
 
-
     # ---------------------------------------------------------------- regions
     def regions(self, tiling: Tiling) -> dict[str, isl.Set]:
         """Region (isl set over the tile origins) of each stage's value, output first."""
-        tile = ih.tile_set(
-            "T", DIMS, self.out4, tiling.sizes, tiling.params
-        )
+        tile = ih.tile_set("T", DIMS, self.out4, tiling.sizes, tiling.params)
         regions: dict[str, isl.Set] = {self.out: tile}
         for d in reversed(self.drafts):
             reg = self.draft_region(regions[d.value], d).set_tuple_name("S")
@@ -515,9 +516,7 @@ class _Builder:
         for win in windows:
             cons.append(f"0 <= {win.input_index()} < {in_shape[win.dim]}")
         kvars = [w.var for w in windows]
-        dom = isl.Set(
-            f"{{ S[{', '.join(DIMS)}, {', '.join(kvars)}] : {' and '.join(cons)} }}"
-        )
+        dom = isl.Set(f"{{ S[{', '.join(DIMS)}, {', '.join(kvars)}] : {' and '.join(cons)} }}")
         ext = region.set_tuple_name("S").insert_dims(isl.dim_type.set, 4, len(kvars))
         for i, k in enumerate(kvars):
             ext = ext.set_dim_name(isl.dim_type.set, 4 + i, k)
@@ -547,9 +546,7 @@ class _Builder:
                     valid = f"{win.padded_lo} <= {ix} < {win.padded_hi}"
                 else:
                     valid = f"0 <= {ix} < {in_shape[win.dim]}"
-                ks = ih.with_params(
-                    isl.Set(f"[{o}] -> {{ [{win.var}] : {c} and {valid} }}"), ctx
-                )
+                ks = ih.with_params(isl.Set(f"[{o}] -> {{ [{win.var}] : {c} and {valid} }}"), ctx)
                 lo, hi = ks.dim_min(0), ks.dim_max(0)
                 counts.append(f"({ih.c_expr(hi.sub(lo))} + 1)")
             divisor = " * ".join(counts)
@@ -572,14 +569,32 @@ class _Builder:
             s4 = logical4(t)
             if d.value == self.out:
                 buffers.append(
-                    Buffer(self.value_ids[d.value], d.value, "output", s4, t.shape, _mem_layout(t), ("0",) * 4, s4)  # type: ignore[arg-type]
+                    Buffer(
+                        self.value_ids[d.value],
+                        d.value,
+                        "output",
+                        s4,
+                        t.shape,
+                        _mem_layout(t),
+                        ("0",) * 4,
+                        s4,
+                    )  # type: ignore[arg-type]
                 )
                 continue
             reg = ih.with_params(regions[d.value], ctx)
             origin = tuple(ih.c_expr(reg.dim_min(k), reg.params()) for k in range(4))
             extent = tuple(max(1, ih.max_extent(reg, k)) for k in range(4))
             buffers.append(
-                Buffer(self.value_ids[d.value], d.value, "scratch", s4, t.shape, self.layout, origin, extent)  # type: ignore[arg-type]
+                Buffer(
+                    self.value_ids[d.value],
+                    d.value,
+                    "scratch",
+                    s4,
+                    t.shape,
+                    self.layout,
+                    origin,
+                    extent,
+                )  # type: ignore[arg-type]
             )
         stages = []
         acc = 1

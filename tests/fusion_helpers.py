@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from middleware.backends.x86 import X86Backend
+
 from middleware.graph import Graph, Node, TensorType
 from middleware.hardware import Hardware, detect
 from middleware.ops import infer_types
@@ -24,13 +24,25 @@ POOL = dict(dilation=(1, 1), ceil_mode=False)
 
 
 def maxpool(k: int, s: int, p: int = 0, d: int = 1, ceil: bool = False) -> Step:
-    return ("max_pool2d", dict(kernel_size=(k, k), stride=(s, s), padding=(p, p), dilation=(d, d), ceil_mode=ceil))
+    return (
+        "max_pool2d",
+        dict(kernel_size=(k, k), stride=(s, s), padding=(p, p), dilation=(d, d), ceil_mode=ceil),
+    )
 
 
-def avgpool(k: int, s: int, p: int = 0, ceil: bool = False, cip: bool = True, div: int | None = None) -> Step:
+def avgpool(
+    k: int, s: int, p: int = 0, ceil: bool = False, cip: bool = True, div: int | None = None
+) -> Step:
     return (
         "avg_pool2d",
-        dict(kernel_size=(k, k), stride=(s, s), padding=(p, p), ceil_mode=ceil, count_include_pad=cip, divisor_override=div),
+        dict(
+            kernel_size=(k, k),
+            stride=(s, s),
+            padding=(p, p),
+            ceil_mode=ceil,
+            count_include_pad=cip,
+            divisor_override=div,
+        ),
     )
 
 
@@ -62,7 +74,9 @@ def build_chain(shape: Sequence[int], layout: str, steps: Sequence[Step], seed: 
             else:
                 arr = rng.standard_normal(tuple(eshape)).astype(np.float32)
                 inputs.append(g.add_param(ename, arr))
-        node = Node(name, op, tuple(inputs), (f"v{i}",), attrs, bound="io", group=0, source=f"layers.{i}")
+        node = Node(
+            name, op, tuple(inputs), (f"v{i}",), attrs, bound="io", group=0, source=f"layers.{i}"
+        )
         g.add_node(node, infer_types(g.values, node))
         cur = node.outputs[0]
     g.set_outputs(cur)
@@ -85,7 +99,9 @@ def hardware() -> Hardware:
     return detect("cpu", None, measure=False)
 
 
-def check_group(g: Graph, cache: Path, seed: int = 0, atol: float = 1e-5, rtol: float = 1e-5) -> Any:
+def check_group(
+    g: Graph, cache: Path, seed: int = 0, atol: float = 1e-5, rtol: float = 1e-5
+) -> Any:
     """Generate the whole graph as one group, run it and the reference on the same inputs,
     assert they match; returns the kernel."""
     names = [n.name for n in g.nodes()]
@@ -110,7 +126,9 @@ def add(g: Graph, op: str, inputs: Sequence[str], **attrs: Any) -> str:
     """Append node ``op(inputs; attrs)`` (bound "io", group 0) to ``g``; returns its output."""
     i = len(g)
     name = f"layer{i}_{op}"
-    node = Node(name, op, tuple(inputs), (f"v{i}",), attrs, bound="io", group=0, source=f"layers.{i}")
+    node = Node(
+        name, op, tuple(inputs), (f"v{i}",), attrs, bound="io", group=0, source=f"layers.{i}"
+    )
     g.add_node(node, infer_types(g.values, node))
     return node.outputs[0]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 from fusion_helpers import POOL, add, add_bn, check_group, hardware
+from middleware.passes.schedule import schedule_group
 
 from middleware.graph import Graph, TensorType
-from middleware.passes.schedule import schedule_group
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,10 @@ def test_cat_producers_write_into_slices():
     g = inception_like("nhwc")
     s = schedule_group(g, [n.name for n in g.nodes()], hardware())
     # no scratch copy of the concatenated value: each branch is a stage of the output
-    assert not [b for b in s.buffers if b.role == "scratch" and b.value.startswith("v")
-                and g.producer(b.value).op == "cat"]
+    assert not [
+        b
+        for b in s.buffers
+        if b.role == "scratch" and b.value.startswith("v") and g.producer(b.value).op == "cat"
+    ]
     out = s.outputs[0]
     assert sum(st.target == out for st in s.stages) == 3

@@ -61,7 +61,9 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("hypo")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(chains())
 def test_random_io_chains(cache, chain):
     shape, layout, steps = chain

@@ -8,10 +8,10 @@ import dataclasses
 import islpy as isl
 import pytest
 from fusion_helpers import avgpool, bn, build_chain, hardware, maxpool
+from middleware.passes.schedule import schedule_group
 
 from middleware import isl_helpers as ih
 from middleware.loops import Acc, NotFusable
-from middleware.passes.schedule import schedule_group
 
 
 def _names(g):
@@ -71,7 +71,12 @@ def test_tile_rows_follow_l2_size():
 def test_regions_by_isl_image():
     tile = ih.tile_set("T", "nchw", (1, 1, 4, 5), (1, 1, 2, 5), ("", "", "t_h", ""))
     acc = ih.access_map(
-        "T", "nchw", "X", ("n", "c", "2*h + k - 1", "w"), ["k"], ["0 <= k < 3", "0 <= 2*h + k - 1 < 8"]
+        "T",
+        "nchw",
+        "X",
+        ("n", "c", "2*h + k - 1", "w"),
+        ["k"],
+        ["0 <= k < 3", "0 <= 2*h + k - 1 < 8"],
     )
     img = ih.name_dims(ih.image(tile, acc), "nchw")
     fixed = img.intersect_params(isl.Set("[t_h] -> { : t_h = 2 }"))

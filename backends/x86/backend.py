@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,9 @@ from ...hardware import Hardware
 from ...loops import NotFusable
 from ...options import Options
 from ...passes.schedule import Schedule, schedule_group
-from .compile import Built, build_c
-from .render import render_c
+from .cfuncs import UNSUPPORTED_ISPC
+from .compile import Built, build_c, build_ispc
+from .render import render_c, render_ispc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +112,16 @@ class X86Backend:
     def render(self, schedule: Schedule) -> str:
         return render_c(schedule)
 
-    def compile(self, schedule: Schedule, source: str, options: Options, hardware: Hardware) -> Built:
+    def compile(
+        self, schedule: Schedule, source: str, options: Options, hardware: Hardware
+    ) -> Built:
         meta = {
             "group": schedule.name,
             "layers": list(schedule.layers),
             "ops": list(schedule.ops),
-            "shapes": {b.value: list(b.torch_shape) for b in schedule.buffers if b.role != "scratch"},
+            "shapes": {
+                b.value: list(b.torch_shape) for b in schedule.buffers if b.role != "scratch"
+            },
         }
         return build_c(
             schedule.name,
@@ -153,3 +159,52 @@ class X86Backend:
         source = self.render(schedule)
         built = self.compile(schedule, source, options, hardware)
         return self.load(schedule, built, graph)
+
+
+class IspcBackend(X86Backend):
+    """ISPC per-tile kernels (``foreach`` over the contiguous dim) with OpenMP C glue over
+    the tiles; available when a real ``ispc`` binary is on PATH."""
+
+    name = "ispc"
+
+    def can_run(self, graph: Graph, nodes: Sequence[str], hardware: Hardware) -> tuple[bool, str]:
+        if shutil.which("ispc") is None:
+            return False, "no ispc binary on PATH"
+        ok, why = super().can_run(graph, nodes, hardware)
+        if not ok:
+            return ok, why
+        try:
+            self.render(self.schedule(graph, nodes, hardware))
+        except ValueError as e:
+            return False, str(e)
+        return True, ""
+
+    def render(self, schedule: Schedule) -> tuple[str, str]:  # type: ignore[override]
+        used = {
+            x.fn
+            for st in schedule.stages
+            for e in (st.expr, *([st.reduction.body] if st.reduction else []))
+            for x in _calls(e)
+        }
+        missing = sorted(used & set(UNSUPPORTED_ISPC))
+        if missing:
+            raise ValueError(f"ISPC has no {', '.join(missing)}")
+        return render_ispc(schedule)
+
+    def compile(self, schedule: Schedule, source, options: Options, hardware: Hardware) -> Built:  # type: ignore[override]  # noqa: ANN001
+        ispc_source, glue = source
+        return build_ispc(
+            schedule.name,
+            ispc_source,
+            glue,
+            Path(options.cache_dir),
+            key_extra=(options.codegen_key(), hardware.key()),
+        )
+
+
+def _calls(expr: Any) -> list[Any]:
+    from ...loops import Call
+
+    if isinstance(expr, Call):
+        return [expr] + [c for a in expr.args for c in _calls(a)]
+    return []

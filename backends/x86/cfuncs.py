@@ -25,6 +25,18 @@ C_FUNCS: dict[str, str] = {
 }
 
 
+# ISPC spells a few functions differently (its stdlib has no tanh/erf: tanh through exp,
+# erf unsupported, see UNSUPPORTED_ISPC).
+ISPC_FUNCS: dict[str, str] = {
+    **C_FUNCS,
+    "max": "max({0}, {1})",
+    "min": "min({0}, {1})",
+    "exp": "exp({0})",
+    "tanh": "mw_tanh({0})",
+}
+UNSUPPORTED_ISPC = ("erf",)
+
+
 def c_float(v: float) -> str:
     """A float literal (``-INFINITY``/``INFINITY`` for infinities)."""
     if math.isinf(v):
@@ -34,8 +46,14 @@ def c_float(v: float) -> str:
     return f"{float(v)!r}f" if "e" not in repr(float(v)) else f"{float(v):.9e}f"
 
 
-def c_expr(expr: Expr, load: Callable[[Load], str], acc: str = "acc_v") -> str:
-    """C text of ``expr``; ``load`` renders a :class:`Load` (the address arithmetic)."""
+def c_expr(
+    expr: Expr,
+    load: Callable[[Load], str],
+    acc: str = "acc_v",
+    table: dict[str, str] = C_FUNCS,
+) -> str:
+    """C text of ``expr``; ``load`` renders a :class:`Load` (the address arithmetic);
+    ``table`` spells the functions (``C_FUNCS`` or ``ISPC_FUNCS``)."""
     if isinstance(expr, Const):
         return c_float(expr.value)
     if isinstance(expr, Load):
@@ -45,5 +63,5 @@ def c_expr(expr: Expr, load: Callable[[Load], str], acc: str = "acc_v") -> str:
     if isinstance(expr, Acc):
         return acc
     if isinstance(expr, Call):
-        return C_FUNCS[expr.fn].format(*(c_expr(a, load, acc) for a in expr.args))
+        return table[expr.fn].format(*(c_expr(a, load, acc, table) for a in expr.args))
     raise TypeError(f"not an expression: {expr!r}")

@@ -99,3 +99,47 @@ def _build_minimal(
     os.replace(tmp_out, out)
     del t0
     return Built(out, src, True, tuple(cmd))
+
+
+def build_ispc(
+    name: str, ispc_source: str, glue_source: str, cache_dir: Path, key_extra: tuple[str, ...] = ()
+) -> Built:
+    """Compile an ISPC kernel and its OpenMP C glue into ``kernel.so`` (two steps, one
+    folder per kernel under ``cache_dir/kernels``, keyed like ``build_c``)."""
+    ispc = shutil.which("ispc")
+    if ispc is None:
+        raise CompileError("no ispc binary on PATH", command=["ispc"])
+    cc = c_compiler()
+    steps = (
+        ("ispc", "-O3", "--pic", "--target=host", "-o", "{dir}/kernel_ispc.o", "{src}"),
+        (cc, *C_FLAGS, "-o", "{out}", "{dir}/glue.c", "{dir}/kernel_ispc.o", "-lm"),
+    )
+    text = "\0".join([ispc_source, glue_source, *(" ".join(s) for s in steps), *key_extra])
+    h = hashlib.sha256(text.encode()).hexdigest()
+    folder = Path(cache_dir) / "kernels" / f"{name}-ispc-{h[:16]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    src, out = folder / "kernel.ispc", folder / "kernel.so"
+    subst = {"{src}": str(src), "{out}": str(out), "{dir}": str(folder)}
+
+    def fill(arg: str) -> str:
+        for k, v in subst.items():
+            arg = arg.replace(k, v)
+        return arg
+
+    if out.exists():
+        return Built(out, src, False, tuple(fill(a) for a in steps[0]))
+    for fname, text in (("kernel.ispc", ispc_source), ("glue.c", glue_source)):
+        tmp = folder / f".{fname}.{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, folder / fname)
+    for step in steps:
+        cmd = [fill(a) for a in step]
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            raise CompileError(
+                f"compiling {name} (ISPC) failed",
+                stderr=r.stderr,
+                command=cmd,
+                source_path=str(src),
+            )
+    return Built(out, src, True, tuple(fill(a) for a in steps[0]))
