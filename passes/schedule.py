@@ -24,7 +24,22 @@ Record conventions (for every renderer):
   the variables of enclosing loops only.
 * A scratch buffer element ``(n, c, h, w)`` lives at ``sum((x_d - origin_d) * stride_d)``
   with ``origin_d`` (text over tile origins) and strides from ``extent`` in the
-  schedule's ``layout`` order; a global buffer uses its own shape and layout.
+  schedule's ``layout`` order; a global buffer uses its own shape and layout
+  (``Buffer.strides``). Dims of extent 1 are always index 0 (broadcast or a 1-sized dim).
+* Load indices (``middleware.loops.Load.index``) are isl-syntax text, affine in
+  ``n, c, h, w, k_h, k_w``, possibly with ``floor(x/d)`` and ``(x mod d)`` (channel
+  shuffles); ``middleware.isl_helpers.affine_c`` prints one as C (non-negative operands).
+* Expressions use the closed function vocabulary ``middleware.loops.FUNCTIONS``; a
+  renderer needs one table from those names to its spelling (backends/x86/cfuncs.py).
+* How to run a stage (every backend does the same): for each tile (the ``Tiling`` origins,
+  parallel), for each stage in order, if ``guard`` holds: scan ``loops``; without a
+  reduction, store ``expr`` over ``inner``; with one: ``acc[i - inner.lo] = init`` over
+  ``inner``, then scan ``reduction.loops`` and over ``reduction.inner``
+  ``acc = op(acc, body)`` ("max" or "sum"), then store ``expr`` over ``inner`` with
+  ``Acc`` = ``acc[i - inner.lo] / divisor`` (no division when ``divisor`` is "").
+  ``acc`` holds ``Schedule.acc_elems`` floats per thread; scratch buffers are per thread.
+
+These records are stable: renderers (x86 C, ISPC, CUDA) depend on them.
 """
 
 from __future__ import annotations

@@ -162,3 +162,25 @@ def test_ispc_source_structure(chain_graph):
     if shutil.which("ispc") is None:
         ok, why = be.can_run(chain_graph, [n.name for n in chain_graph.nodes()], hardware())
         assert not ok and "ispc" in why
+
+
+def test_group_with_two_outputs_is_split(tmp_path):
+    """A group whose intermediate is also read outside runs as two generated pieces."""
+    from fusion_helpers import add
+
+    from middleware.compiler import compile_graph
+    from middleware.graph import Graph, TensorType
+
+    g = Graph()
+    x = g.add_input("x", TensorType((2, 5, 8, 7), "float32", "nhwc"))
+    a = add(g, "relu", [x])
+    b = add(g, "max_pool2d", [a], **maxpool(3, 2, 1)[1])
+    c = add(g, "add", [b], scalar=1.0)
+    g.set_outputs((a, c))
+    compiled = compile_graph(g, Options(cache_dir=tmp_path, measure_hardware=False))
+    assert all(r.runs_as == "generated" for r in compiled.report.rows)
+    assert len([s for s in compiled.plan.steps if s.runs_as == "generated"]) == 2
+    (xs,) = random_inputs(g)
+    got, ref = compiled.plan.run([xs]), g.evaluate(xs)
+    for u, v in zip(got, ref, strict=True):
+        torch.testing.assert_close(u, v, atol=1e-6, rtol=1e-6)

@@ -68,6 +68,23 @@ def _runs(graph: Graph, names: Sequence[str]) -> list[list[str]]:
     return runs
 
 
+def _split_at_escapes(graph: Graph, group: Sequence[str], names: Sequence[str]) -> list[list[str]]:
+    """``names`` cut after every node whose output is read outside ``group`` (so that a
+    group with several outputs becomes pieces with one output each, where it can)."""
+    inside = set(group)
+    outs = set(graph.output_values())
+    pieces, cur = [], []
+    for n in names:
+        cur.append(n)
+        v = graph.node(n).outputs[0]
+        if v in outs or any(c.name not in inside for c in graph.consumers(v)):
+            pieces.append(cur)
+            cur = []
+    if cur:
+        pieces.append(cur)
+    return pieces
+
+
 def _worth_it(graph: Graph, names: Sequence[str]) -> bool:
     """A group of views only is left to the framework (a view costs nothing there)."""
     return any(graph.node(n).op not in VIEWS for n in names)
@@ -85,7 +102,10 @@ def fusion_units(
         candidates = [group]
         ok, why = backend.can_run(graph, group, hardware)
         if not ok:
-            candidates = [r for r in _runs(graph, group) if r != group]
+            candidates = []
+            for run in _runs(graph, group):
+                pieces = _split_at_escapes(graph, group, run)
+                candidates += [p for p in pieces if p != group]
         for names in candidates:
             if not _worth_it(graph, names):
                 continue
