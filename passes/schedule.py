@@ -70,6 +70,8 @@ from ..loops import (
 )
 
 ORDER = {"nchw": (0, 1, 2, 3), "nhwc": (0, 2, 3, 1)}
+# Outputs smaller than this many elements run their tiles on one thread.
+PARALLEL_MIN_ELEMENTS = 1 << 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,7 +463,9 @@ class _Builder:
         else:
             params = ("t_n", "t_c" if c > 1 else "", "t_h" if rows < h else "", "")
             sizes = (1, 1, min(rows, h), w)
-        return Tiling(params, sizes, self.out4, self.hw.cores, 0)  # type: ignore[arg-type]
+        # small outputs run on one thread: waking the others costs more than they save
+        threads = self.hw.cores if n * c * h * w >= PARALLEL_MIN_ELEMENTS else 1
+        return Tiling(params, sizes, self.out4, threads, 0)  # type: ignore[arg-type]
 
     def scratch_bytes(self, regions: dict[str, isl.Set]) -> int:
         total = 0

@@ -68,6 +68,11 @@ def test_tile_rows_follow_l2_size():
     assert s_small.tiling.threads == small.cores
 
 
+def test_small_outputs_run_on_one_thread():
+    g = build_chain((1, 3, 4, 4), "nchw", [("relu", {})])
+    assert schedule_group(g, _names(g), hardware()).tiling.threads == 1
+
+
 def test_regions_by_isl_image():
     tile = ih.tile_set("T", "nchw", (1, 1, 4, 5), (1, 1, 2, 5), ("", "", "t_h", ""))
     acc = ih.access_map(
