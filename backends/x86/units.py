@@ -128,6 +128,16 @@ def fusion_units(
                 for n in names:
                     failed[n] = reason
                 continue
+            except Exception as e:  # noqa: BLE001 - a generator bug must not break optimize()
+                if options.strict:
+                    raise
+                warnings.warn(
+                    f"group ({', '.join(names)}) runs through the framework: generating it "
+                    f"failed with {type(e).__name__}: {e}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue
             producer = graph.producer(kernel.outputs[0])
             assert producer is not None
             units[producer.name] = Unit(
