@@ -15,6 +15,7 @@ Anything not understood becomes a ``fallback`` node that calls the original call
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -82,10 +83,23 @@ def _concrete(a: Any) -> Any:
 
 
 class _ValueTracer(fx.Tracer):
-    """Symbolic tracing that evaluates every recorded call on the example inputs."""
+    """Symbolic tracing that evaluates every recorded call on the example inputs.
 
-    def __init__(self, example_inputs: Sequence[Any]) -> None:
+    With ``fake=True`` the calls run on fake tensors (shapes and dtypes, no data), which
+    costs milliseconds where running the network on real data costs seconds.
+    """
+
+    def __init__(self, example_inputs: Sequence[Any], fake: bool = False) -> None:
         super().__init__()
+        self._fake_mode = None
+        if fake:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            example_inputs = [
+                self._fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+                for x in example_inputs
+            ]
         self._examples = list(example_inputs)
         self._next_input = 0
 
@@ -123,9 +137,9 @@ class _ValueTracer(fx.Tracer):
         patched_call, patched_getattr = nn.Module.__call__, nn.Module.__getattr__
         nn.Module.__call__, nn.Module.__getattr__ = _orig_module_call, _orig_module_getattr
         try:
-            with torch.no_grad():
-                if kind == "get_attr":
-                    return _fetch_attr(self.root, target)
+            if kind == "get_attr":
+                return _fetch_attr(self.root, target)
+            with torch.no_grad(), self._fake_mode or contextlib.nullcontext():
                 if kind == "call_module":
                     return self.root.get_submodule(target)(*cargs, **ckwargs)
                 if kind == "call_method":
@@ -1056,13 +1070,20 @@ def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> Graph:
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     examples = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    tracer = _ValueTracer(examples)
+    # First on fake tensors (fast, no data); a model that needs real data to trace (an op
+    # without a fake implementation, a value read back to Python) is traced on the real
+    # example inputs instead.
     try:
+        tracer = _ValueTracer(examples, fake=True)
         fx_graph = tracer.trace(model)
-    except Exception as e:  # noqa: BLE001 - any tracing failure means "run the original"
-        raise TraceError(
-            f"torch.fx could not trace {type(model).__name__}: {type(e).__name__}: {e}"
-        ) from e
+    except Exception:  # noqa: BLE001 - retried on real data just below
+        tracer = _ValueTracer(examples)
+        try:
+            fx_graph = tracer.trace(model)
+        except Exception as e:  # noqa: BLE001 - any tracing failure means "run the original"
+            raise TraceError(
+                f"torch.fx could not trace {type(model).__name__}: {type(e).__name__}: {e}"
+            ) from e
     if tracer._next_input != len(examples):
         raise TraceError(
             f"forward() takes {tracer._next_input} inputs but "

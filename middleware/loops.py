@@ -278,6 +278,9 @@ def _param(graph: Graph, v: str, what: str) -> np.ndarray:
 
 def _batch_norm(graph: Graph, node: Node) -> OpLoops:
     x, mean, var, weight, bias = node.inputs
+    if graph.values[x].rank not in (2, 4):
+        # the channel is dim 1 of (N, C) and (N, C, H, W); logical4 reads rank 3 as (C, H, W)
+        raise NotFusable(f"batch_norm of a rank {graph.values[x].rank} value")
     eps = float(node.attrs["eps"])
     m, v = _param(graph, mean, "mean"), _param(graph, var, "var")
     w = _param(graph, weight, "weight") if weight in graph.params else np.ones_like(m)
