@@ -1,0 +1,703 @@
+"""The buffer planner: liveness of every value over a plan's units, and one reused arena.
+
+Given the units of a plan (in execution order), :func:`plan_memory` decides where each
+value lives:
+
+- ``view``: a view-like op (flatten, reshape, split, identity, ...) or a fallback shares
+  the storage of its input; the two are one *storage class* whose lifetime is the union;
+- ``inplace``: an elementwise op whose input class is dead afterwards writes into it
+  (relu, batch-norm, add of a dead residual, ...);
+- ``arena``: the output of a unit that can write into a given tensor (a destination-passing
+  ``Unit.out_fn``, or an ATen ``out=`` variant for the vendor ops below) lives at a byte
+  offset of one arena; classes whose lifetimes do not overlap share bytes
+  (greedy by size, first fit, 64-byte alignment);
+- ``slice``: an input of a concat is written straight into its slice of the concat's
+  destination (through ``out=`` or, for a producer without one, a copy right after it);
+  a concat whose inputs already sit side by side in one destination is a free view;
+- ``vendor``: what ATen allocates itself (convolutions have no ``out=`` on CPU oneDNN;
+  copying their result into the arena costs more than it saves); the plan frees it at its
+  last use;
+- ``fresh``: anything the user receives (graph outputs and everything aliased with them)
+  gets a fresh framework allocation on every call, so a later call never overwrites a
+  tensor the user holds. Graph inputs and parameters are never written.
+
+The arena is one ``torch.empty(nbytes, dtype=torch.uint8)`` on the plan's device, made
+when the plan is built; the wrapped step functions hold views of it, so it lives exactly as
+long as the plan (and is released when the ``OptimizedModule`` that caches the plan is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..graph import Graph, Node, TensorType
+from ..ops import get_op, torch_dtype
+
+ALIGN = 64
+
+# ------------------------------------------------------------------ ATen out= forms
+# An out-form of a node: ``fn(*inputs, *outputs, *scratch)`` writes the outputs (ATen's
+# ``out=`` variants accept strided outputs, e.g. a slice of a concat destination).
+OutForm = tuple[Callable[..., Any], tuple[TensorType, ...]]
+
+
+def _unary_out(fn: Callable[..., Any]) -> Callable[[Node, Graph], OutForm]:
+    def make(node: Node, graph: Graph) -> OutForm:
+        def out_form(x, o):
+            fn(x, out=o)
+
+        return out_form, ()
+
+    return make
+
+
+def _relu_out(node: Node, graph: Graph) -> OutForm:
+    def relu_out(x, o):
+        torch.clamp_min(x, 0, out=o)
+
+    return relu_out, ()
+
+
+def _hardtanh_out(node: Node, graph: Graph) -> OutForm:
+    lo, hi = float(node.attrs["min_val"]), float(node.attrs["max_val"])
+
+    def hardtanh_out(x, o):
+        torch._C._nn.hardtanh(x, lo, hi, out=o)
+
+    return hardtanh_out, ()
+
+
+def _leaky_relu_out(node: Node, graph: Graph) -> OutForm:
+    slope = float(node.attrs["negative_slope"])
+
+    def leaky_relu_out(x, o):
+        torch._C._nn.leaky_relu(x, slope, out=o)
+
+    return leaky_relu_out, ()
+
+
+def _gelu_out(node: Node, graph: Graph) -> OutForm:
+    approximate = node.attrs["approximate"]
+
+    def gelu_out(x, o):
+        torch._C._nn.gelu(x, approximate=approximate, out=o)
+
+    return gelu_out, ()
+
+
+def _batch_norm_out(node: Node, graph: Graph) -> OutForm:
+    eps = float(node.attrs["eps"])
+    no_stats = torch.empty(0)  # inference computes no saved statistics
+
+    def batch_norm_out(x, mean, var, w, b, o):
+        # ATen's own kernel (bit-identical to F.batch_norm for dense outputs, in place too)
+        torch.ops.aten.native_batch_norm.out(
+            x, w, b, mean, var, False, 0.0, eps, out=o, save_mean=no_stats, save_invstd=no_stats
+        )
+
+    return batch_norm_out, ()
+
+
+def _binary_out(fn: Callable[..., Any], has_alpha: bool) -> Callable[[Node, Graph], OutForm | None]:
+    def make(node: Node, graph: Graph) -> OutForm | None:
+        scalar = node.attrs.get("scalar")
+        if node.attrs.get("reverse", False):
+            return None
+        kw = {"alpha": node.attrs["alpha"]} if has_alpha and node.attrs.get("alpha", 1) != 1 else {}
+        if scalar is not None:
+
+            def scalar_out(x, o):
+                fn(x, scalar, out=o, **kw)
+
+            return scalar_out, ()
+
+        def binary_out(a, b, o):
+            fn(a, b, out=o, **kw)
+
+        return binary_out, ()
+
+    return make
+
+
+def _max_pool2d_out(node: Node, graph: Graph) -> OutForm:
+    a = node.attrs
+    k, s, p, d, c = a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"]
+    t = graph.values[node.outputs[0]]
+    indices = TensorType(t.shape, "int64", t.layout)  # ATen's CPU max-pool always makes them
+
+    def max_pool2d_out(x, o, idx):
+        torch.ops.aten.max_pool2d_with_indices.out(x, k, s or k, p, d, c, out=o, indices=idx)
+
+    return max_pool2d_out, (indices,)
+
+
+def _avg_pool2d_out(node: Node, graph: Graph) -> OutForm:
+    a = node.attrs
+    args = (
+        a["kernel_size"],
+        a["stride"] or a["kernel_size"],
+        a["padding"],
+        a["ceil_mode"],
+        a["count_include_pad"],
+        a["divisor_override"],
+    )
+
+    def avg_pool2d_out(x, o):
+        torch._C._nn.avg_pool2d(x, *args, out=o)
+
+    return avg_pool2d_out, ()
+
+
+def _adaptive_avg_pool2d_out(node: Node, graph: Graph) -> OutForm:
+    size = node.attrs["output_size"]
+
+    def adaptive_avg_pool2d_out(x, o):
+        torch._C._nn.adaptive_avg_pool2d(x, size, out=o)
+
+    return adaptive_avg_pool2d_out, ()
+
+
+def _mean_out(node: Node, graph: Graph) -> OutForm:
+    dims, keep = tuple(node.attrs["dims"]), bool(node.attrs["keepdim"])
+
+    def mean_out(x, o):
+        torch.mean(x, dims, keep, out=o)
+
+    return mean_out, ()
+
+
+def _cat_out(node: Node, graph: Graph) -> OutForm:
+    dim = node.attrs["dim"]
+
+    def cat_out(*xs):
+        torch.cat(xs[:-1], dim, out=xs[-1])
+
+    return cat_out, ()
+
+
+def _softmax_out(log: bool) -> Callable[[Node, Graph], OutForm]:
+    op = torch.ops.aten._log_softmax.out if log else torch.ops.aten._softmax.out
+
+    def make(node: Node, graph: Graph) -> OutForm:
+        dim = node.attrs["dim"]
+
+        def softmax_out(x, o):
+            op(x, dim, False, out=o)
+
+        return softmax_out, ()
+
+    return make
+
+
+# Vendor ops whose ATen implementation has a true ``out=`` form. Convolution and linear are
+# left to the vendor units (oneDNN allocates their results; see the module docstring).
+OUT_FORMS: dict[str, Callable[[Node, Graph], OutForm | None]] = {
+    "relu": _relu_out,
+    "hardtanh": _hardtanh_out,
+    "leaky_relu": _leaky_relu_out,
+    "sigmoid": _unary_out(torch.sigmoid),
+    "tanh": _unary_out(torch.tanh),
+    "silu": _unary_out(torch._C._nn.silu),
+    "hardswish": _unary_out(torch._C._nn.hardswish),
+    "hardsigmoid": _unary_out(torch._C._nn.hardsigmoid),
+    "gelu": _gelu_out,
+    "batch_norm": _batch_norm_out,
+    "add": _binary_out(torch.add, True),
+    "sub": _binary_out(torch.sub, True),
+    "mul": _binary_out(torch.mul, False),
+    "div": _binary_out(torch.div, False),
+    "max_pool2d": _max_pool2d_out,
+    "avg_pool2d": _avg_pool2d_out,
+    "adaptive_avg_pool2d": _adaptive_avg_pool2d_out,
+    "mean": _mean_out,
+    "cat": _cat_out,
+    "softmax": _softmax_out(False),
+    "log_softmax": _softmax_out(True),
+}
+
+# Ops that may write their result over an input (elementwise, output shape = that input's
+# shape): which inputs may be overwritten. The out-form is called with that input as output.
+INPLACE_INPUTS: dict[str, tuple[int, ...]] = {
+    "relu": (0,),
+    "hardtanh": (0,),
+    "leaky_relu": (0,),
+    "sigmoid": (0,),
+    "tanh": (0,),
+    "silu": (0,),
+    "hardswish": (0,),
+    "hardsigmoid": (0,),
+    "gelu": (0,),
+    "batch_norm": (0,),
+    "add": (0, 1),
+    "sub": (0,),
+    "mul": (0, 1),
+    "div": (0,),
+}
+
+
+# ---------------------------------------------------------------------- the plan record
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one value lives. ``kind``: input, param, fresh, vendor, arena, view (shares
+    its storage class with another value), inplace (writes over an input), slice (a slice
+    ``[start, start+length)`` along ``dim`` of value ``parent``)."""
+
+    kind: str
+    storage: str  # name of the storage class (its root value)
+    parent: str | None = None
+    dim: int = 0
+    start: int = 0
+    length: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The buffer plan of one input signature.
+
+    ``intervals[c]`` is the (first, last) unit index during which storage class ``c`` holds
+    live data (both ends included; -1 means before the first unit); ``offsets[c]`` and
+    ``sizes[c]`` place arena classes in the arena. Two arena classes whose intervals
+    intersect never share a byte.
+    """
+
+    placements: dict[str, Placement]
+    intervals: dict[str, tuple[int, int]]
+    sizes: dict[str, int]
+    offsets: dict[str, int]
+    arena_bytes: int
+    n_units: int
+    input_bytes: int
+
+    def arena_live_bytes(self) -> int:
+        """The lower bound on the arena: the most arena bytes live at one unit."""
+        return max((self._live_at(i, self.offsets) for i in range(self.n_units)), default=0)
+
+    def vendor_peak_bytes(self) -> int:
+        """The most bytes of framework-allocated values (vendor and fresh) live at one unit,
+        as the plan predicts them."""
+        own = {c for c, p in self.placements.items() if p.kind in ("vendor", "fresh")}
+        own = {c: 0 for c in own if c in self.intervals}
+        return max((self._live_at(i, own) for i in range(self.n_units)), default=0)
+
+    def predicted_peak_io(self) -> int:
+        """Inputs + arena + the vendor peak: what a live-storage tracker should measure."""
+        return self.input_bytes + self.arena_bytes + self.vendor_peak_bytes()
+
+    def _live_at(self, i: int, classes: dict[str, int]) -> int:
+        total = 0
+        for c in classes:
+            a, b = self.intervals[c]
+            if a <= i <= b:
+                total += self.sizes[c]
+        return total
+
+    def check(self) -> None:
+        """Raise if two arena classes with intersecting lifetimes share bytes."""
+        items = sorted(self.offsets.items(), key=lambda kv: kv[1])
+        for i, (c, off) in enumerate(items):
+            if off % ALIGN or off + self.sizes[c] > self.arena_bytes:
+                raise AssertionError(f"class {c} misplaced at {off}")
+            a, b = self.intervals[c]
+            for d, off2 in items[i + 1 :]:
+                a2, b2 = self.intervals[d]
+                if (
+                    a <= b2
+                    and a2 <= b
+                    and off < off2 + self.sizes[d]
+                    and off2 < off + self.sizes[c]
+                ):
+                    raise AssertionError(f"arena classes {c} and {d} overlap while both live")
+
+
+# ------------------------------------------------------------------------- the planner
+class _Classes:
+    """Union-find over value names; ``join(keep, other)`` keeps ``keep``'s root."""
+
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def find(self, v: str) -> str:
+        p = self.parent.setdefault(v, v)
+        if p != v:
+            p = self.parent[v] = self.find(p)
+        return p
+
+    def join(self, keep: str, other: str) -> None:
+        a, b = self.find(keep), self.find(other)
+        if a != b:
+            self.parent[b] = a
+
+    def members(self, root: str) -> list[str]:
+        return [v for v in self.parent if self.find(v) == root]
+
+
+@dataclasses.dataclass
+class PlannedUnits:
+    """The planner's product: the memory plan, the arena and one step function per unit
+    (same calling convention as ``Unit.fn``: input tensors in, output(s) returned)."""
+
+    memory: MemoryPlan
+    arena: torch.Tensor | None
+    fns: list[Callable[..., Any]]
+
+
+class _Planner:
+    """One planning run over a graph's units (see :func:`plan_memory`)."""
+
+    def __init__(self, graph: Graph, units: Sequence[Any]) -> None:
+        self.graph = graph
+        self.units = units
+        self.n = len(units)
+        self.single = [_single_node(graph, u) for u in units]
+        self.forms = [_out_form(graph, u, nd) for u, nd in zip(units, self.single, strict=True)]
+        self.outputs = set(graph.output_values())
+        self.producer: dict[str, int] = {}
+        self.last_use: dict[str, int] = {}
+        for i, u in enumerate(units):
+            for v in u.outputs:
+                self.producer[v] = i
+            for v in u.inputs:
+                self.last_use[v] = i
+        self.cls = _Classes()
+        for v in graph.values:
+            self.cls.find(v)
+        self.kind: dict[str, str] = {v: "input" for v in graph.inputs}
+        self.kind.update({p: "param" for p in graph.params})
+        self.inplace_of: dict[int, int] = {}  # unit -> index of the input it overwrites
+        self.slice_of: dict[str, tuple[str, int, int, int]] = {}  # root -> (dest, dim, start, len)
+        self.cat_mode: dict[int, str] = {}  # unit -> "view" | "dest"
+
+    # -------------------------------------------------------------- class queries
+    def pinned(self, root: str) -> bool:
+        """The class holds a graph input, a parameter or a graph output."""
+        return any(
+            v in self.outputs or self.kind.get(v) in ("input", "param")
+            for v in self.cls.members(root)
+        )
+
+    def class_last(self, root: str) -> int:
+        return max(
+            (self.last_use.get(v, self.producer.get(v, -1)) for v in self.cls.members(root)),
+            default=-1,
+        )
+
+    # ------------------------------------------------------------------- stages
+    def share_views(self) -> None:
+        """View-like ops and fallbacks share the storage of their (non-parameter) inputs."""
+        for i, u in enumerate(self.units):
+            nd = self.single[i]
+            if u.runs_as == "fallback" or (nd is not None and get_op(nd.op).view_like):
+                for v in u.outputs:
+                    self.kind[v] = "view"
+                    for x in u.inputs:
+                        if x not in self.graph.params:
+                            self.cls.join(x, v)
+
+    def place_concats(self) -> None:
+        """Concat inputs live in their slices of the destination. The latest concat goes
+        first, so that an earlier concat over inputs already side by side in one
+        destination (densenet's growing concats) becomes a free view of it."""
+        g = self.graph
+        for i in reversed(range(self.n)):
+            nd = self.single[i]
+            if nd is None or nd.op != "cat" or self.forms[i] is None:
+                continue
+            d = nd.outputs[0]
+            if self.pinned(self.cls.find(d)):
+                continue
+            dim = nd.attrs["dim"] % g.values[d].rank
+            sizes = [g.values[x].shape[dim] for x in nd.inputs]
+            run = self._side_by_side(nd.inputs, dim)
+            if run is not None and d not in self.slice_of and self._alone(d):
+                parent, start = run
+                self.slice_of[d] = (parent, dim, start, sum(sizes))
+                self.cls.join(parent, d)
+                self.cat_mode[i] = "view"
+                continue
+            start = 0
+            for x, size in zip(nd.inputs, sizes, strict=True):
+                if nd.inputs.count(x) == 1 and self._can_place(x, dim, d):
+                    self.slice_of[x] = (d, dim, start, size)
+                    self.cls.join(d, x)
+                    self.cat_mode[i] = "dest"
+                start += size
+
+    def _alone(self, v: str) -> bool:
+        """``v``'s storage class holds only ``v`` and views of it."""
+        return all(m == v or self.kind.get(m) == "view" for m in self.cls.members(self.cls.find(v)))
+
+    def _side_by_side(self, inputs: Sequence[str], dim: int) -> tuple[str, int] | None:
+        if not inputs or any(x not in self.slice_of for x in inputs):
+            return None
+        parent, _, start, _ = self.slice_of[inputs[0]]
+        pos = start
+        for x in inputs:
+            p, d, s, ln = self.slice_of[x]
+            if p != parent or d != dim or s != pos:
+                return None
+            pos += ln
+        return parent, start
+
+    def _can_place(self, x: str, dim: int, dest: str) -> bool:
+        """May concat input ``x`` be written straight into its slice of ``dest``? It must be
+        the single output of a unit (not a view, an input or a parameter) and own its class."""
+        if x in self.slice_of or self.kind.get(x) is not None or self.producer.get(x, -1) < 0:
+            return False
+        if self.cls.find(x) != x or self.cls.members(x) != [x] or x in self.outputs:
+            return False
+        j = self.producer[x]
+        u = self.units[j]
+        if len(u.outputs) != 1 or u.runs_as == "fallback":
+            return False
+        if self.forms[j] is not None and self.single[j] is None:  # a generated kernel
+            return _slice_contiguous(self.graph.values[dest], dim)
+        return True
+
+    def run_in_place(self) -> None:
+        """An elementwise op writes over an input whose whole storage class (concat
+        destinations and their slices included) dies at this unit."""
+        for i, u in enumerate(self.units):
+            nd, form = self.single[i], self.forms[i]
+            if nd is None or form is None or form[1] or nd.op not in INPLACE_INPUTS:
+                continue
+            y = u.outputs[0]
+            if not self._alone(y) or y in self.slice_of or self.cls.find(y) != y:
+                continue
+            for k in INPLACE_INPUTS[nd.op]:
+                if k >= len(u.inputs):
+                    continue
+                x = u.inputs[k]
+                if self.graph.values[x] != self.graph.values[y] or u.inputs.count(x) > 1:
+                    continue
+                root = self.cls.find(x)
+                if self.pinned(root) or self.class_last(root) > i:
+                    continue
+                self.cls.join(x, y)
+                self.kind[y] = "inplace"
+                self.inplace_of[i] = k
+                break
+
+    def classes(self) -> tuple[dict[str, list[str]], dict[str, str]]:
+        """Storage classes (root -> members) and where each lives."""
+        roots: dict[str, list[str]] = {}
+        for v in self.graph.values:
+            roots.setdefault(self.cls.find(v), []).append(v)
+        where: dict[str, str] = {}
+        for root, vs in roots.items():
+            if any(self.kind.get(v) == "input" for v in vs):
+                where[root] = "input"
+            elif any(self.kind.get(v) == "param" for v in vs):
+                where[root] = "param"
+            elif any(v in self.outputs for v in vs):
+                where[root] = "fresh"
+            elif self._arena_capable(root):
+                where[root] = "arena"
+            else:
+                where[root] = "vendor"
+        return roots, where
+
+    def _arena_capable(self, root: str) -> bool:
+        j = self.producer.get(root, -1)
+        if j < 0 or len(self.units[j].outputs) != 1 or self.kind.get(root) == "view":
+            return False
+        return self.forms[j] is not None or j in self.cat_mode
+
+
+def plan_memory(graph: Graph, units: Sequence[Any], device: torch.device) -> PlannedUnits:
+    """Plan the buffers of ``units`` (``runtime.plan.Unit`` records, in execution order).
+
+    Returns step functions with the units' calling convention that write into the arena,
+    in place or into concat slices where the plan says so; they compute the same values.
+    """
+    pl = _Planner(graph, units)
+    pl.share_views()
+    pl.place_concats()
+    pl.run_in_place()
+    roots, where = pl.classes()
+    n = pl.n
+
+    placements: dict[str, Placement] = {}
+    intervals: dict[str, tuple[int, int]] = {}
+    sizes: dict[str, int] = {}
+    for root, vs in roots.items():
+        first = min(pl.producer.get(v, -1) for v in vs)
+        last = max(pl.last_use.get(v, pl.producer.get(v, -1)) for v in vs)
+        if where[root] in ("fresh", "input", "param"):
+            last = n
+        intervals[root] = (first, last)
+        sizes[root] = graph.values[root].nbytes
+        for v in vs:
+            if v in pl.slice_of:
+                p, dim, s, ln = pl.slice_of[v]
+                placements[v] = Placement("slice", root, p, dim, s, ln)
+            elif v == root:
+                placements[v] = Placement(where[root], root)
+            else:
+                placements[v] = Placement(pl.kind.get(v, "view"), root)
+    arena_classes = [r for r, w in where.items() if w == "arena"]
+    # scratch outputs of arena out-forms (max-pool indices) live for their unit only
+    scratch: dict[int, list[tuple[str, TensorType]]] = {}
+    for i, form in enumerate(pl.forms):
+        if form is None or not form[1] or i in pl.inplace_of:
+            continue
+        if where.get(pl.cls.find(units[i].outputs[0])) != "arena":
+            continue
+        for j, t in enumerate(form[1]):
+            name = f"%scratch{i}.{j}"
+            scratch.setdefault(i, []).append((name, t))
+            intervals[name], sizes[name] = (i, i), t.nbytes
+            placements[name] = Placement("arena", name)
+            arena_classes.append(name)
+    offsets, arena_bytes = _assign_offsets(arena_classes, intervals, sizes)
+    input_bytes = sum(graph.values[v].nbytes for v in graph.inputs)
+    memory = MemoryPlan(placements, intervals, sizes, offsets, arena_bytes, n, input_bytes)
+
+    arena = torch.empty(arena_bytes, dtype=torch.uint8, device=device) if arena_bytes else None
+    types = dict(graph.values)
+    for items in scratch.values():
+        types.update(items)
+    views: dict[str, torch.Tensor] = {}
+
+    def view(v: str) -> torch.Tensor:
+        """The arena tensor of value ``v`` (an arena class root, a slice or a scratch)."""
+        if v not in views:
+            p = placements[v]
+            if p.kind == "slice":
+                views[v] = view(p.parent).narrow(p.dim, p.start, p.length)
+            else:
+                assert p.kind == "arena" and p.storage == v, (v, p)
+                views[v] = _arena_view(arena, offsets[v], types[v])
+        return views[v]
+
+    fns = [_step_fn(pl, i, u, where, scratch, view) for i, u in enumerate(units)]
+    return PlannedUnits(memory, arena, fns)
+
+
+def _step_fn(
+    pl: _Planner,
+    i: int,
+    u: Any,
+    where: dict[str, str],
+    scratch: dict[int, list[tuple[str, TensorType]]],
+    view: Callable[[str], torch.Tensor],
+) -> Callable[..., Any]:
+    """The function the plan calls for unit ``i`` under the memory plan."""
+    form = pl.forms[i]
+    if i in pl.inplace_of:
+        k, out_form = pl.inplace_of[i], form[0]
+
+        def in_place(*ins):
+            out_form(*ins, ins[k])
+            return ins[k]
+
+        return in_place
+    if len(u.outputs) != 1 or where[pl.cls.find(u.outputs[0])] != "arena":
+        return u.fn
+    y = u.outputs[0]
+    if pl.kind.get(y) == "view" or (y != pl.cls.find(y) and y not in pl.slice_of):
+        return u.fn
+    o = view(y)
+    mode = pl.cat_mode.get(i)
+    if mode == "view":
+
+        def free_concat(*ins):
+            return o
+
+        return free_concat
+    if mode == "dest":
+        slices = []
+        start, dim = 0, pl.single[i].attrs["dim"] % o.dim()
+        for j, x in enumerate(u.inputs):
+            size = pl.graph.values[x].shape[dim]
+            if x not in pl.slice_of or pl.slice_of[x][0] != y:
+                slices.append((j, o.narrow(dim, start, size)))
+            start += size
+
+        def concat_into(*ins):
+            for j, s in slices:
+                s.copy_(ins[j])
+            return o
+
+        return concat_into
+    if form is not None:
+        out_form = form[0]
+        extra = (o,) + tuple(view(name) for name, _ in scratch.get(i, ()))
+
+        def into(*ins):
+            out_form(*ins, *extra)
+            return o
+
+        return into
+    fn = u.fn  # no destination form, placed in a concat slice: copy right after it
+
+    def copy_into(*ins):
+        o.copy_(fn(*ins))
+        return o
+
+    return copy_into
+
+
+def _single_node(graph: Graph, u: Any) -> Node | None:
+    """The node of a one-node vendor unit that reads and writes exactly its node's values."""
+    if len(u.nodes) != 1 or u.runs_as != "vendor":
+        return None
+    nd = graph.node(u.nodes[0])
+    if tuple(nd.inputs) != tuple(u.inputs) or tuple(nd.outputs) != tuple(u.outputs):
+        return None
+    return nd
+
+
+def _out_form(graph: Graph, u: Any, nd: Node | None) -> OutForm | None:
+    """How a unit writes into given tensors: ATen ``out=`` for known vendor ops, else the
+    unit's own destination-passing form (generated kernels)."""
+    if nd is not None and nd.op in OUT_FORMS and len(nd.outputs) == 1:
+        return OUT_FORMS[nd.op](nd, graph)
+    if getattr(u, "out_fn", None) is not None and u.runs_as == "generated":
+        return u.out_fn, ()
+    return None
+
+
+def _slice_contiguous(t: TensorType, dim: int) -> bool:
+    """A slice along ``dim`` is dense in ``t``'s layout (generated kernels write dense
+    outputs only)."""
+    order = (0, 2, 3, 1) if t.layout == "nhwc" and t.rank == 4 else tuple(range(t.rank))
+    return all(t.shape[a] == 1 for a in order[: order.index(dim)])
+
+
+def _assign_offsets(
+    classes: Sequence[str], intervals: dict[str, tuple[int, int]], sizes: dict[str, int]
+) -> tuple[dict[str, int], int]:
+    """Greedy by size, first fit: the biggest class first, at the lowest aligned offset that
+    overlaps no placed class whose lifetime intersects its own."""
+    offsets: dict[str, int] = {}
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+    total = 0
+    for c in sorted(classes, key=lambda c: (-sizes[c], intervals[c], c)):
+        a, b = intervals[c]
+        size = _align(max(sizes[c], 1))
+        off = 0
+        for o, e in sorted((o, e) for o, e, a2, b2 in placed if a <= b2 and a2 <= b):
+            if off + size <= o:
+                break
+            off = max(off, _align(e))
+        offsets[c] = off
+        placed.append((off, off + size, a, b))
+        total = max(total, off + size)
+    return offsets, total
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _arena_view(arena: torch.Tensor, offset: int, t: TensorType) -> torch.Tensor:
+    """A typed view of ``t.nbytes`` arena bytes at ``offset``, strided in ``t``'s layout."""
+    flat = arena[offset : offset + t.nbytes].view(torch_dtype(t.dtype))
+    if t.rank == 4 and t.layout == "nhwc":
+        n, c, h, w = t.shape
+        return flat.as_strided(t.shape, (h * w * c, 1, w * c, c))
+    return flat.view(t.shape)
