@@ -32,6 +32,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..graph import Graph, Node, TensorType
@@ -348,8 +349,9 @@ class PlannedUnits:
 class _Planner:
     """One planning run over a graph's units (see :func:`plan_memory`)."""
 
-    def __init__(self, graph: Graph, units: Sequence[Any]) -> None:
+    def __init__(self, graph: Graph, units: Sequence[Any], device: torch.device) -> None:
         self.graph = graph
+        self.device = device
         self.units = units
         self.n = len(units)
         self.single = [_single_node(graph, u) for u in units]
@@ -513,7 +515,7 @@ def plan_memory(graph: Graph, units: Sequence[Any], device: torch.device) -> Pla
     Returns step functions with the units' calling convention that write into the arena,
     in place or into concat slices where the plan says so; they compute the same values.
     """
-    pl = _Planner(graph, units)
+    pl = _Planner(graph, units, device)
     pl.share_views()
     pl.place_concats()
     pl.run_in_place()
@@ -530,17 +532,9 @@ def plan_memory(graph: Graph, units: Sequence[Any], device: torch.device) -> Pla
             last = n
         intervals[root] = (first, last)
         sizes[root] = graph.values[root].nbytes
-        for v in vs:
-            if v in pl.slice_of:
-                p, dim, s, ln = pl.slice_of[v]
-                placements[v] = Placement("slice", root, p, dim, s, ln)
-            elif v == root:
-                placements[v] = Placement(where[root], root)
-            else:
-                placements[v] = Placement(pl.kind.get(v, "view"), root)
-    arena_classes = [r for r, w in where.items() if w == "arena"]
-    # scratch outputs of arena out-forms (max-pool indices) live for their unit only
-    scratch: dict[int, list[tuple[str, TensorType]]] = {}
+    # scratch outputs of out-forms (max-pool indices) live for their unit only
+    types = dict(graph.values)
+    scratch: dict[int, list[str]] = {}
     for i, form in enumerate(pl.forms):
         if form is None or not form[1] or i in pl.inplace_of:
             continue
@@ -548,33 +542,115 @@ def plan_memory(graph: Graph, units: Sequence[Any], device: torch.device) -> Pla
             continue
         for j, t in enumerate(form[1]):
             name = f"%scratch{i}.{j}"
-            scratch.setdefault(i, []).append((name, t))
+            scratch.setdefault(i, []).append(name)
+            types[name] = t
             intervals[name], sizes[name] = (i, i), t.nbytes
-            placements[name] = Placement("arena", name)
-            arena_classes.append(name)
+            where[name] = "arena"
+    _spill(where, intervals, sizes, n)
+    for root, vs in roots.items():
+        for v in vs:
+            if v in pl.slice_of:
+                p, dim, st, ln = pl.slice_of[v]
+                placements[v] = Placement("slice", root, p, dim, st, ln)
+            elif v == root:
+                placements[v] = Placement(where[root], root)
+            else:
+                placements[v] = Placement(pl.kind.get(v, "view"), root)
+    for items in scratch.values():
+        for name in items:
+            placements[name] = Placement(where[name], name)
+    arena_classes = [r for r, w in where.items() if w == "arena"]
     offsets, arena_bytes = _assign_offsets(arena_classes, intervals, sizes)
     input_bytes = sum(graph.values[v].nbytes for v in graph.inputs)
     memory = MemoryPlan(placements, intervals, sizes, offsets, arena_bytes, n, input_bytes)
 
     arena = torch.empty(arena_bytes, dtype=torch.uint8, device=device) if arena_bytes else None
-    types = dict(graph.values)
-    for items in scratch.values():
-        types.update(items)
-    views: dict[str, torch.Tensor] = {}
+    getters: dict[str, Callable[[], torch.Tensor]] = {}
+    holders: dict[str, list[Any]] = {}
 
-    def view(v: str) -> torch.Tensor:
-        """The arena tensor of value ``v`` (an arena class root, a slice or a scratch)."""
-        if v not in views:
-            p = placements[v]
-            if p.kind == "slice":
-                views[v] = view(p.parent).narrow(p.dim, p.start, p.length)
+    def getter(v: str) -> Callable[[], torch.Tensor]:
+        """How a step gets the tensor of value ``v`` (arena view, slice, or the framework
+        allocation of a spilled class made by the class's first writer)."""
+        if v in getters:
+            return getters[v]
+        p = placements[v]
+        if p.kind == "slice":
+            parent, dim, start, length = getter(p.parent), p.dim, p.start, p.length
+            static = getattr(parent, "static", None)
+            if static is not None:
+                g = _const(static.narrow(dim, start, length))
             else:
-                assert p.kind == "arena" and p.storage == v, (v, p)
-                views[v] = _arena_view(arena, offsets[v], types[v])
-        return views[v]
 
-    fns = [_step_fn(pl, i, u, where, scratch, view) for i, u in enumerate(units)]
+                def g() -> torch.Tensor:
+                    return parent().narrow(dim, start, length)
+
+        elif p.kind == "arena":
+            g = _const(_arena_view(arena, offsets[v], types[v]))
+        else:  # a spilled class: allocated by the framework when first written
+            holder = holders.setdefault(v, [None])
+            t = types[v]
+
+            def g() -> torch.Tensor:
+                if holder[0] is None:
+                    holder[0] = _empty(t, device)
+                return holder[0]
+
+        getters[v] = g
+        return g
+
+    fns = [_step_fn(pl, i, u, where, scratch, getter, holders) for i, u in enumerate(units)]
     return PlannedUnits(memory, arena, fns)
+
+
+def _const(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def g() -> torch.Tensor:
+        return t
+
+    g.static = t  # type: ignore[attr-defined]
+    return g
+
+
+def _empty(t: TensorType, device: torch.device) -> torch.Tensor:
+    fmt = torch.channels_last if t.rank == 4 and t.layout == "nhwc" else torch.contiguous_format
+    return torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device, memory_format=fmt)
+
+
+def _spill(
+    where: dict[str, str], intervals: dict[str, tuple[int, int]], sizes: dict[str, int], n: int
+) -> None:
+    """Move arena classes to framework allocations while that lowers the peak.
+
+    The arena holds its size for the whole call while framework allocations come and go,
+    so the peak is about ``max(arena live) + max(framework live)``; an arena class that
+    lives far from the framework's peak (e.g. a concat destination late in the network)
+    costs more in the arena than outside. Greedy: spill the class that lowers that sum
+    most, until none does.
+    """
+    steps = n + 2
+
+    def mask(c: str) -> np.ndarray:
+        m = np.zeros(steps)
+        a, b = intervals[c]
+        m[a + 1 : b + 2] = sizes[c]
+        return m
+
+    arena = [c for c, w in where.items() if w == "arena"]
+    masks = {c: mask(c) for c in arena}
+    A = sum(masks.values(), np.zeros(steps))
+    V = sum(
+        (mask(c) for c, w in where.items() if w in ("vendor", "fresh") and c in intervals),
+        np.zeros(steps),
+    )
+    best = A.max() + V.max()
+    while arena:
+        scores = [((A - masks[c]).max() + (V + masks[c]).max(), c) for c in arena]
+        score, c = min(scores)
+        if score >= best:
+            break
+        best = score
+        A, V = A - masks[c], V + masks[c]
+        where[c] = "spilled"
+        arena.remove(c)
 
 
 def _step_fn(
@@ -582,8 +658,9 @@ def _step_fn(
     i: int,
     u: Any,
     where: dict[str, str],
-    scratch: dict[int, list[tuple[str, TensorType]]],
-    view: Callable[[str], torch.Tensor],
+    scratch: dict[int, list[str]],
+    getter: Callable[[str], Callable[[], torch.Tensor]],
+    holders: dict[str, list[Any]],
 ) -> Callable[..., Any]:
     """The function the plan calls for unit ``i`` under the memory plan."""
     form = pl.forms[i]
@@ -595,50 +672,93 @@ def _step_fn(
             return ins[k]
 
         return in_place
-    if len(u.outputs) != 1 or where[pl.cls.find(u.outputs[0])] != "arena":
+    if len(u.outputs) != 1:
         return u.fn
     y = u.outputs[0]
-    if pl.kind.get(y) == "view" or (y != pl.cls.find(y) and y not in pl.slice_of):
+    root = pl.cls.find(y)
+    if where[root] not in ("arena", "spilled") or pl.kind.get(y) == "view":
         return u.fn
-    o = view(y)
+    if y != root and y not in pl.slice_of:
+        return u.fn
+    writers = [v for v in pl.cls.members(root) if v == root or v in pl.slice_of]
+    if where[root] == "spilled" and y == root and writers == [y]:
+        return u.fn  # a spilled plain class: the unit allocates it itself
+    get = getter(y)
+    static = getattr(get, "static", None)
+    # a spilled concat destination is released by its last writer (the outermost concat)
+    last_writer = max(pl.producer[v] for v in writers)
+    release = holders.get(root) if i == last_writer else None
     mode = pl.cat_mode.get(i)
     if mode == "view":
+        if static is not None:
 
-        def free_concat(*ins):
-            return o
+            def free_concat(*ins):
+                return static
 
-        return free_concat
+            return free_concat
+
+        def free_concat_dyn(*ins):
+            return get()
+
+        return free_concat_dyn
     if mode == "dest":
         slices = []
-        start, dim = 0, pl.single[i].attrs["dim"] % o.dim()
+        start, dim = 0, pl.single[i].attrs["dim"] % pl.graph.values[y].rank
         for j, x in enumerate(u.inputs):
             size = pl.graph.values[x].shape[dim]
             if x not in pl.slice_of or pl.slice_of[x][0] != y:
-                slices.append((j, o.narrow(dim, start, size)))
+                slices.append((j, dim, start, size))
             start += size
 
         def concat_into(*ins):
-            for j, s in slices:
-                s.copy_(ins[j])
+            o = get()
+            for j, d, st, ln in slices:
+                o.narrow(d, st, ln).copy_(ins[j])
+            if release is not None:
+                release[0] = None
             return o
 
         return concat_into
     if form is not None:
         out_form = form[0]
-        extra = (o,) + tuple(view(name) for name, _ in scratch.get(i, ()))
+        extra_get = [getter(nm) if where[nm] == "arena" else None for nm in scratch.get(i, ())]
+        extra_types = form[1] if scratch.get(i) else ()
+        if static is not None and all(e is not None for e in extra_get):
+            extra = (static,) + tuple(e() for e in extra_get)
 
-        def into(*ins):
-            out_form(*ins, *extra)
+            def into(*ins):
+                out_form(*ins, *extra)
+                return static
+
+            return into
+        device = pl.device
+
+        def into_dyn(*ins):
+            o = get()
+            tmp = [
+                e() if e is not None else _empty(t, device)
+                for e, t in zip(extra_get, extra_types, strict=True)
+            ]
+            out_form(*ins, o, *tmp)
             return o
 
-        return into
+        return into_dyn
     fn = u.fn  # no destination form, placed in a concat slice: copy right after it
 
-    def copy_into(*ins):
+    if static is not None:
+
+        def copy_into(*ins):
+            static.copy_(fn(*ins))
+            return static
+
+        return copy_into
+
+    def copy_into_dyn(*ins):
+        o = get()
         o.copy_(fn(*ins))
         return o
 
-    return copy_into
+    return copy_into_dyn
 
 
 def _single_node(graph: Graph, u: Any) -> Node | None:
