@@ -432,6 +432,11 @@ class _Planner:
         """``v``'s storage class holds only ``v`` and views of it."""
         return all(m == v or self.kind.get(m) == "view" for m in self.cls.members(self.cls.find(v)))
 
+    def _structured(self, root: str) -> bool:
+        """The class holds concat slices (or is a concat destination)."""
+        parents = {p for p, _, _, _ in self.slice_of.values()}
+        return any(m in self.slice_of or m in parents for m in self.cls.members(root))
+
     def _side_by_side(self, inputs: Sequence[str], dim: int) -> tuple[str, int] | None:
         if not inputs or any(x not in self.slice_of for x in inputs):
             return None
@@ -478,6 +483,8 @@ class _Planner:
                 root = self.cls.find(x)
                 if self.pinned(root) or self.class_last(root) > i:
                     continue
+                if y in self.outputs and self._structured(root):
+                    continue  # keep the concat slices in the arena; the output is fresh
                 self.cls.join(x, y)
                 self.kind[y] = "inplace"
                 self.inplace_of[i] = k
