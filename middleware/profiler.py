@@ -199,7 +199,7 @@ def plot_results(results: dict[str, ProfileResult], path: str | Path) -> Path:
             "plotting a profile needs matplotlib, which is not installed: pip install matplotlib"
         ) from None
     names = list(results)
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(names) + 2), 4.2), dpi=120)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(names) + 2), 4.6), dpi=120)
     width = 0.38
     colors = {"param": ("#9ecae1", "#3182bd"), "io": ("#fdae6b", "#e6550d")}
     for i, name in enumerate(names):
@@ -209,10 +209,12 @@ def plot_results(results: dict[str, ProfileResult], path: str | Path) -> Path:
             pa, io = m.param_bytes / MIB, m.peak_io_bytes / MIB
             ax.bar(x, pa, width * 0.95, color=colors["param"][j], edgecolor="black", lw=0.5)
             ax.bar(x, io, width * 0.95, bottom=pa, color=colors["io"][j], edgecolor="black", lw=0.5)
-            ax.text(x, pa + io, f"{pa + io:.0f}", ha="center", va="bottom", fontsize=7)
+            ax.text(x, pa + io, f"{pa + io:.3g}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(names)), names, rotation=20 if len(names) > 4 else 0)
     ax.set_ylabel("peak memory (MiB)")
-    ax.set_title("peak memory: parameters + I/O (left: original, right: optimized)")
+    ax.set_title(
+        "peak memory: parameters + I/O\n(left bar: original, right bar: optimized)", fontsize=9
+    )
     from matplotlib.patches import Patch
 
     ax.legend(
@@ -223,7 +225,10 @@ def plot_results(results: dict[str, ProfileResult], path: str | Path) -> Path:
             Patch(color=colors["io"][1], label="I/O, optimized"),
         ],
         fontsize=7,
-        loc="upper right",
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.14),
+        ncol=2,
+        frameon=False,
     )
     fig.tight_layout()
     path = Path(path)

@@ -272,6 +272,9 @@ class MemoryPlan:
     arena_bytes: int
     n_units: int
     input_bytes: int
+    # transient framework allocations inside a unit (max-pool indices ATen makes and
+    # drops, a result copied into its concat slice), by unit index
+    temps: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def arena_live_bytes(self) -> int:
         """The lower bound on the arena: the most arena bytes live at one unit."""
@@ -280,9 +283,12 @@ class MemoryPlan:
     def vendor_peak_bytes(self) -> int:
         """The most bytes of framework-allocated values (vendor and fresh) live at one unit,
         as the plan predicts them."""
-        own = {c for c, p in self.placements.items() if p.kind in ("vendor", "fresh")}
+        own = {c for c, p in self.placements.items() if p.kind in ("vendor", "fresh", "spilled")}
         own = {c: 0 for c in own if c in self.intervals}
-        return max((self._live_at(i, own) for i in range(self.n_units)), default=0)
+        return max(
+            (self._live_at(i, own) + self.temps.get(i, 0) for i in range(self.n_units)),
+            default=0,
+        )
 
     def predicted_peak_io(self) -> int:
         """Inputs + arena + the vendor peak: what a live-storage tracker should measure."""
@@ -606,7 +612,17 @@ def plan_memory(graph: Graph, units: Sequence[Any], device: torch.device) -> Pla
         return g
 
     fns = [_step_fn(pl, i, u, where, scratch, getter, holders) for i, u in enumerate(units)]
+    for i, (fn, u) in enumerate(zip(fns, units, strict=True)):
+        nd = pl.single[i]
+        if fn is u.fn and nd is not None and nd.op in _INDICES_OPS:
+            memory.temps[i] = graph.values[u.outputs[0]].numel * 8
+        elif getattr(fn, "__name__", "").startswith("copy_into"):
+            memory.temps[i] = graph.values[u.outputs[0]].nbytes
     return PlannedUnits(memory, arena, fns)
+
+
+# ATen's CPU max-pools make an int64 index tensor beside their result
+_INDICES_OPS = ("max_pool2d", "maxpool_relu", "adaptive_max_pool2d")
 
 
 def _const(t: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -1,0 +1,140 @@
+"""``python -m middleware profile MODEL``: peak memory and latency, original vs optimized.
+
+MODEL is ``torchvision:NAME`` (random weights, eval mode; googlenet and inception_v3 without
+auxiliary heads, inception_v3 at 299x299) or ``path/to/file.py:NAME`` where NAME is an
+``nn.Module`` class (built with no arguments), an instance, or a function returning a
+module or ``(module, input_shape)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+AUX_FREE = ("googlenet", "inception_v3")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Declare the ``profile`` subcommand on argparse ``subparsers``; sets ``func=main``."""
+    p = subparsers.add_parser(
+        "profile",
+        help="peak memory (parameters, I/O) and latency of a model and its optimized form",
+        description=(
+            "Optimize MODEL and measure the original and the optimized model side by side: "
+            "parameter memory, peak I/O (activation) memory, peak total memory (measured: a "
+            "live-storage tracker on the CPU, the allocator's statistics on CUDA), median "
+            "latency, and time and bytes per step of the optimized plan."
+        ),
+        epilog="MODEL: torchvision:NAME (e.g. torchvision:resnet50) or path/to/file.py:NAME",
+    )
+    p.add_argument("model", metavar="MODEL", help="torchvision:NAME or path/to/file.py:NAME")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="save the memory bar chart here")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per model (default 5)")
+    p.add_argument(
+        "--input-shape",
+        default=None,
+        metavar="C,H,W",
+        help="one sample's shape (default 3,224,224; 3,299,299 for inception_v3)",
+    )
+    p.add_argument("--steps", action="store_true", help="also print the per-step table")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the ``profile`` subcommand; prints the side-by-side table, returns 0."""
+    import torch
+
+    import middleware
+    from middleware.api import resolve_device
+
+    if args.batch < 1 or args.repeats < 1:
+        print("error: --batch and --repeats must be at least 1", file=sys.stderr)
+        return 2
+    device = resolve_device(args.device)
+    shape = _parse_shape(args.input_shape) if args.input_shape else None
+    model, name, sample = load(args.model, shape)
+    model = model.to(device)
+    torch.manual_seed(0)
+    x = torch.randn(args.batch, *sample, device=device)
+    print(f"{name}: batch {args.batch}, input {'x'.join(map(str, sample))}, device {device}")
+    result = middleware.profile(model, x, repeats=args.repeats)
+    text = str(result)
+    if not args.steps:
+        text = "\n".join(line for line in text.split("\n\n")[0].split("\n"))
+        text += "".join("\n" + n for n in result.notes)
+    print(text)
+    if args.plot:
+        try:
+            path = result.plot(args.plot, title=name)
+        except ImportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"plot saved to {path}")
+    return 0
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(s) for s in text.replace("x", ",").split(",") if s)
+    except ValueError:
+        raise SystemExit(f"error: not a shape: {text!r} (e.g. 3,224,224)") from None
+    return dims
+
+
+def load(spec: str, input_shape: tuple[int, ...] | None = None) -> tuple[Any, str, tuple[int, ...]]:
+    """(model in eval mode, its name, one sample's input shape) for a MODEL spec."""
+    try:  # the shared model-spec helper of the ``run`` command, when present
+        from middleware.models import load_model
+    except ImportError:
+        load_model = None
+    if load_model is not None:
+        loaded = load_model(spec, input_shape=input_shape)
+        return loaded.model.eval(), loaded.name, tuple(loaded.input_shape)
+    return _load(spec, input_shape)
+
+
+def _load(spec: str, input_shape: tuple[int, ...] | None) -> tuple[Any, str, tuple[int, ...]]:
+    import torch.nn as nn
+
+    source, _, name = spec.rpartition(":")
+    if not source or not name:
+        raise SystemExit(
+            f"error: MODEL must be torchvision:NAME or path/to/file.py:NAME, got {spec!r}"
+        )
+    shape: tuple[int, ...] | None = None
+    if source == "torchvision":
+        import torchvision.models as tvm
+
+        kw = {"aux_logits": False, "init_weights": False} if name in AUX_FREE else {}
+        try:
+            model = tvm.get_model(name, weights=None, **kw)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        shape = (3, 299, 299) if name == "inception_v3" else (3, 224, 224)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise SystemExit(f"error: no such file: {path}")
+        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[path.stem] = module
+        mod_spec.loader.exec_module(module)
+        obj = getattr(module, name, None)
+        if obj is None:
+            raise SystemExit(f"error: {path} has no {name!r}")
+        if isinstance(obj, type) and issubclass(obj, nn.Module):
+            model = obj()
+        elif isinstance(obj, nn.Module):
+            model = obj
+        elif callable(obj):
+            made = obj()
+            model, shape = made if isinstance(made, tuple) else (made, None)
+        else:
+            raise SystemExit(f"error: {spec}: {name} is not a module, class or function")
+        shape = tuple(shape) if shape else (3, 224, 224)
+    return model.eval(), name, tuple(input_shape or shape)
