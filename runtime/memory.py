@@ -587,7 +587,14 @@ def plan_memory(graph: Graph, units: Sequence[Any], device: torch.device) -> Pla
             types[name] = t
             intervals[name], sizes[name] = (i, i), t.nbytes
             where[name] = "arena"
-    _spill(where, intervals, sizes, n)
+    # a producer without a destination form writes its concat slice by a copy: its own
+    # result is a transient framework allocation during its unit
+    copy_temps = {
+        pl.producer[v]: graph.values[v].nbytes
+        for v in pl.slice_of
+        if pl.producer.get(v, -1) >= 0 and pl.forms[pl.producer[v]] is None
+    }
+    _spill(where, intervals, sizes, n, copy_temps)
     for root, vs in roots.items():
         for v in vs:
             if v in pl.slice_of:
@@ -667,15 +674,22 @@ def _empty(t: TensorType, device: torch.device) -> torch.Tensor:
 
 
 def _spill(
-    where: dict[str, str], intervals: dict[str, tuple[int, int]], sizes: dict[str, int], n: int
+    where: dict[str, str],
+    intervals: dict[str, tuple[int, int]],
+    sizes: dict[str, int],
+    n: int,
+    temps: dict[int, int],
 ) -> None:
-    """Move arena classes to framework allocations while that lowers the peak.
+    """Decide which arena-capable classes stay in the arena; the rest are "spilled" to
+    framework allocations made when they are first written.
 
     The arena holds its size for the whole call while framework allocations come and go,
-    so the peak is about ``max(arena live) + max(framework live)``; an arena class that
-    lives far from the framework's peak (e.g. a concat destination late in the network)
-    costs more in the arena than outside. Greedy: spill the class that lowers that sum
-    most, until none does.
+    so the peak is about ``max(arena live) + max(framework live)``, while allocating every
+    class on demand reaches ``max(arena live + framework live)``, the least possible. A
+    class in the arena is reused across calls (no allocation, no page faults), so: the
+    biggest classes first, each goes into the arena unless that raises the peak above the
+    on-demand one (e.g. a concat destination that lives far from the largest convolution
+    output does; one beside it does not).
     """
     steps = n + 2
 
@@ -685,23 +699,22 @@ def _spill(
         m[a + 1 : b + 2] = sizes[c]
         return m
 
-    arena = [c for c, w in where.items() if w == "arena"]
-    masks = {c: mask(c) for c in arena}
-    A = sum(masks.values(), np.zeros(steps))
-    V = sum(
-        (mask(c) for c, w in where.items() if w in ("vendor", "fresh") and c in intervals),
-        np.zeros(steps),
-    )
-    best = A.max() + V.max()
-    while arena:
-        scores = [((A - masks[c]).max() + (V + masks[c]).max(), c) for c in arena]
-        score, c = min(scores)
-        if score >= best:
-            break
-        best = score
-        A, V = A - masks[c], V + masks[c]
-        where[c] = "spilled"
-        arena.remove(c)
+    candidates = [c for c, w in where.items() if w == "arena"]
+    masks = {c: mask(c) for c in candidates}
+    V = np.zeros(steps)
+    for c, w in where.items():
+        if c in intervals and (w in ("vendor", "fresh") or w == "arena"):
+            V += masks[c] if c in masks else mask(c)
+    for i, t in temps.items():
+        V[i + 1] += t
+    A = np.zeros(steps)
+    best = (A + V).max()
+    for c in sorted(candidates, key=lambda c: (-sizes[c], c)):
+        A2, V2 = A + masks[c], V - masks[c]
+        if A2.max() + V2.max() <= best:
+            A, V = A2, V2
+        else:
+            where[c] = "spilled"
 
 
 def _step_fn(
@@ -733,7 +746,21 @@ def _step_fn(
         return u.fn
     writers = [v for v in pl.cls.members(root) if v == root or v in pl.slice_of]
     if where[root] == "spilled" and y == root and writers == [y]:
-        return u.fn  # a spilled plain class: the unit allocates it itself
+        if form is None or not scratch.get(i):
+            return u.fn  # a spilled plain class: the unit allocates it itself
+        # a destination form with scratch (the chunked max-pool): fresh result, small scratch
+        out_form, t, device = form[0], pl.graph.values[y], pl.device
+        extra = [
+            (getter(nm) if where[nm] == "arena" else None, tt)
+            for nm, tt in zip(scratch[i], form[1], strict=True)
+        ]
+
+        def alloc_into(*ins):
+            o = _empty(t, device)
+            out_form(*ins, o, *[e() if e is not None else _empty(tt, device) for e, tt in extra])
+            return o
+
+        return alloc_into
     get = getter(y)
     static = getattr(get, "static", None)
     # a spilled concat destination is released by its last writer (the outermost concat)
