@@ -14,6 +14,9 @@ value lives:
 - ``slice``: an input of a concat is written straight into its slice of the concat's
   destination (through ``out=`` or, for a producer without one, a copy right after it);
   a concat whose inputs already sit side by side in one destination is a free view;
+- ``spilled``: an arena-capable class that would raise the peak if it sat in the arena
+  (the arena holds its size for the whole call, framework allocations come and go): it is
+  allocated through the framework when first written, on every call;
 - ``vendor``: what ATen allocates itself (convolutions have no ``out=`` on CPU oneDNN;
   copying their result into the arena costs more than it saves); the plan frees it at its
   last use;
@@ -271,7 +274,7 @@ INPLACE_INPUTS: dict[str, tuple[int, ...]] = {
 # ---------------------------------------------------------------------- the plan record
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where one value lives. ``kind``: input, param, fresh, vendor, arena, view (shares
+    """Where one value lives. ``kind``: input, param, fresh, vendor, arena, spilled, view (shares
     its storage class with another value), inplace (writes over an input), slice (a slice
     ``[start, start+length)`` along ``dim`` of value ``parent``)."""
 
@@ -350,13 +353,19 @@ class MemoryPlan:
 
 # ------------------------------------------------------------------------- the planner
 class _Classes:
-    """Union-find over value names; ``join(keep, other)`` keeps ``keep``'s root."""
+    """Union-find over value names; ``join(keep, other)`` keeps ``keep``'s root. Each root
+    keeps the list of its members."""
 
     def __init__(self) -> None:
         self.parent: dict[str, str] = {}
+        self.groups: dict[str, list[str]] = {}
 
     def find(self, v: str) -> str:
-        p = self.parent.setdefault(v, v)
+        p = self.parent.get(v)
+        if p is None:
+            self.parent[v] = v
+            self.groups[v] = [v]
+            return v
         if p != v:
             p = self.parent[v] = self.find(p)
         return p
@@ -365,9 +374,10 @@ class _Classes:
         a, b = self.find(keep), self.find(other)
         if a != b:
             self.parent[b] = a
+            self.groups[a].extend(self.groups.pop(b))
 
     def members(self, root: str) -> list[str]:
-        return [v for v in self.parent if self.find(v) == root]
+        return list(self.groups[self.find(root)])
 
 
 @dataclasses.dataclass
