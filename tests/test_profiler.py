@@ -138,3 +138,21 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch) -> N
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     with pytest.raises(ImportError, match="pip install matplotlib"):
         r.plot(tmp_path / "x.png")
+
+
+def test_profile_command_line_on_a_user_file(tmp_path, capsys) -> None:  # noqa: ANN001
+    pytest.importorskip("matplotlib")
+    from middleware.__main__ import main
+
+    src = tmp_path / "mynet.py"
+    src.write_text(
+        "import torch.nn as nn\n"
+        "def small():\n"
+        "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), (3, 12, 12)\n"
+    )
+    png = tmp_path / "out.png"
+    rc = main(["profile", f"{src}:small", "--batch", "2", "--repeats", "1", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "small: batch 2, input 3x12x12" in out and "peak I/O memory" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
