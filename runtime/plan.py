@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -200,7 +201,15 @@ def build_plan(
     if plan_memory:
         from .memory import plan_memory as make_memory_plan
 
-        plan.use_memory_plan(make_memory_plan(graph, units, device))
+        try:
+            plan.use_memory_plan(make_memory_plan(graph, units, device))
+        except Exception as e:  # noqa: BLE001 - a planner bug must not break optimize()
+            warnings.warn(
+                f"middleware: the buffer planner failed ({type(e).__name__}: {e}); "
+                "running without it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return plan
 
 
