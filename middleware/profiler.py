@@ -100,7 +100,16 @@ class LiveStorageTracker(TorchDispatchMode):
 # ------------------------------------------------------------------ result records
 @dataclasses.dataclass(frozen=True)
 class ModelProfile:
-    """Parameter bytes, peak I/O (activation) bytes, their sum, and the median latency."""
+    """Parameter bytes, peak I/O (activation) bytes, their sum, and the median latency.
+
+    ``param_bytes``: on CPU the storages that existed before the call and that it reads
+    (weights, buffers, packed weights; for the optimized model its plan's constants, not
+    the original model it keeps a reference to); on CUDA the unique storages of the
+    model's parameters and buffers (the plan's constants for the optimized model).
+    ``peak_io_bytes`` counts the inputs (``input_bytes``), the arena and every storage
+    allocated during the call, at the moment their sum is largest. Allocations that do
+    not pass through the dispatcher (oneDNN scratchpads inside a kernel) are not seen.
+    """
 
     param_bytes: int
     peak_io_bytes: int
