@@ -26,6 +26,7 @@ from .errors import (
 )
 from .graph import Graph, Node, TensorType
 from .options import Options
+from .profiler import ProfileResult, profile
 
 __version__ = "0.1.0"
 
@@ -38,11 +39,13 @@ __all__ = [
     "MiddlewareError",
     "Node",
     "Options",
+    "ProfileResult",
     "TensorType",
     "TraceError",
     "TrainingModeError",
     "UnsupportedError",
     "available_backends",
     "optimize",
+    "profile",
     "trace",
 ]

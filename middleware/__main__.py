@@ -218,7 +218,13 @@ def _table(times: dict[str, list[float]], peaks: dict[str, int], repeat: int) ->
 
 
 # ------------------------------------------------------------------------- the parser
-COMMANDS: list[AddCommand] = [add_run]
+def add_profile(subparsers: Any) -> None:
+    from . import cli_profile
+
+    cli_profile.add_parser(subparsers)
+
+
+COMMANDS: list[AddCommand] = [add_run, add_profile]
 
 
 def build_parser() -> argparse.ArgumentParser:

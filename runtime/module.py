@@ -236,6 +236,13 @@ class OptimizedModule(nn.Module):
         self._latest = entry
         return entry
 
+    def profile(self, inputs: Sequence[torch.Tensor] | torch.Tensor, **kwargs: Any) -> Any:
+        """Peak memory and latency of the original and this optimized model side by side
+        (``middleware.profile``); returns a ``ProfileResult``."""
+        from ..profiler import profile
+
+        return profile(self._original, inputs, optimized=self, **kwargs)
+
     def extra_repr(self) -> str:
         return (
             f"original={type(self._original).__name__}, device={self.options.device!r}, "

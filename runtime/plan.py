@@ -10,6 +10,8 @@ as early as eager PyTorch releases it.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,12 +77,36 @@ class Plan:
             slot_of[graph.output_tree] if isinstance(graph.output_tree, str) else None
         )
         self._program = [(st.fn, st.ins, st.outs, len(st.outs) > 1, st.frees) for st in steps]
+        # the buffer plan (runtime/memory.py), when planning is on: its arena and the steps
+        # that write into it; a re-entrant call (another thread) runs the unplanned steps
+        self.memory = None
+        self.arena: torch.Tensor | None = None
+        self._unplanned = self._program
+        self._busy = threading.Lock()
+
+    def use_memory_plan(self, planned: Any) -> None:  # planned: memory.PlannedUnits
+        """Run the steps through the buffer plan's functions (same values, reused memory)."""
+        self.memory, self.arena = planned.memory, planned.arena
+        self._program = [
+            (fn, ins, outs, multi, frees)
+            for fn, (_, ins, outs, multi, frees) in zip(planned.fns, self._unplanned, strict=True)
+        ]
 
     def run(self, inputs: Sequence[torch.Tensor]) -> Any:
+        if self.memory is None:
+            return self._run(inputs, self._program)
+        if not self._busy.acquire(blocking=False):
+            return self._run(inputs, self._unplanned)
+        try:
+            return self._run(inputs, self._program)
+        finally:
+            self._busy.release()
+
+    def _run(self, inputs: Sequence[torch.Tensor], program: list) -> Any:
         env = list(self._template)
         for s, x in zip(self.input_slots, inputs, strict=True):
             env[s] = x
-        for fn, ins, outs, multi, frees in self._program:
+        for fn, ins, outs, multi, frees in program:
             r = fn(*[env[i] for i in ins])
             if multi:
                 for o, v in zip(outs, r, strict=True):
@@ -116,9 +142,15 @@ def node_step(
     return "vendor", op.bind(node), ""
 
 
-def build_plan(graph: Graph, device: torch.device, units: Sequence[Unit] | None = None) -> Plan:
+def build_plan(
+    graph: Graph,
+    device: torch.device,
+    units: Sequence[Unit] | None = None,
+    plan_memory: bool = False,
+) -> Plan:
     """Assemble a plan from ``units`` in execution order; without them every node runs on
-    its own through the framework."""
+    its own through the framework. ``plan_memory``: run it through the buffer planner
+    (runtime/memory.py: one reused arena, in-place ops, concat slices)."""
     slot_of: dict[str, int] = {}
 
     def slot(v: str) -> int:
@@ -165,7 +197,20 @@ def build_plan(graph: Graph, device: torch.device, units: Sequence[Unit] | None 
         )
     for v in graph.output_values():
         slot(v)
-    return Plan(graph, steps, slot_of, constants)
+    plan = Plan(graph, steps, slot_of, constants)
+    if plan_memory:
+        from .memory import plan_memory as make_memory_plan
+
+        try:
+            plan.use_memory_plan(make_memory_plan(graph, units, device))
+        except Exception as e:  # noqa: BLE001 - a planner bug must not break optimize()
+            warnings.warn(
+                f"middleware: the buffer planner failed ({type(e).__name__}: {e}); "
+                "running without it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return plan
 
 
 def graph_value_unused(

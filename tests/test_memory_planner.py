@@ -1,0 +1,328 @@
+"""The buffer planner (runtime/memory.py): planned execution equals the reference
+interpreter, no two simultaneously-live values share arena bytes, outputs held by the user
+survive later calls, and whole networks still match PyTorch with planning on."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from middleware.runtime.plan import build_plan
+
+import middleware
+from middleware.graph import Graph, Node, TensorType
+from middleware.ops import infer_types
+
+H = W = 5
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+# op name -> how many 4-d inputs it reads from the pool of values
+UNARY = ("relu", "sigmoid", "hardswish", "batch_norm", "max_pool2d", "avg_pool2d", "conv2d")
+UNARY += ("flatten_back", "identity", "leaky_relu")
+BINARY = ("add", "mul", "sub")
+
+
+def _add(g: Graph, rng: np.random.Generator, op: str, ins: list[str], k: int) -> str:
+    """Append one node of ``op`` over ``ins``; returns its output value."""
+    attrs: dict = {}
+    inputs = list(ins)
+    c = g.values[ins[0]].shape[1]
+    layout = g.values[ins[0]].layout
+    name = f"n{k}_{op}"
+    if op == "batch_norm":
+        for p, arr in (
+            ("mean", rng.standard_normal(c)),
+            ("var", rng.random(c) + 0.5),
+            ("w", rng.standard_normal(c)),
+            ("b", rng.standard_normal(c)),
+        ):
+            inputs.append(g.add_param(f"{name}_{p}", arr.astype(np.float32)))
+        attrs = {"eps": 1e-5}
+    elif op == "conv2d":
+        cout = int(rng.integers(1, 6))
+        inputs.append(
+            g.add_param(
+                f"{name}_w", rng.standard_normal((cout, c, 3, 3)).astype(np.float32), layout
+            )
+        )
+        inputs.append(g.add_param(f"{name}_b", rng.standard_normal(cout).astype(np.float32)))
+        attrs = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
+    elif op == "max_pool2d":
+        attrs = {
+            "kernel_size": (3, 3),
+            "stride": (1, 1),
+            "padding": (1, 1),
+            "dilation": (1, 1),
+            "ceil_mode": False,
+        }
+    elif op == "avg_pool2d":
+        attrs = {
+            "kernel_size": (3, 3),
+            "stride": (1, 1),
+            "padding": (1, 1),
+            "ceil_mode": False,
+            "count_include_pad": False,
+            "divisor_override": None,
+        }
+    elif op == "leaky_relu":
+        attrs = {"negative_slope": 0.1}
+    elif op == "cat":
+        attrs = {"dim": 1}
+    elif op == "flatten_back":  # a view: reshape to the same 4-d shape
+        op, attrs = "reshape", {"shape": tuple(g.values[ins[0]].shape)}
+    node = Node(name, op, tuple(inputs), (name,), attrs)
+    types = infer_types(g.values, node)
+    if layout == "nhwc":
+        types = [
+            TensorType(t.shape, t.dtype, "nhwc" if len(t.shape) == 4 else "nchw") for t in types
+        ]
+    g.add_node(node, types)
+    return name
+
+
+@st.composite
+def random_graphs(draw):  # noqa: ANN001, ANN201
+    """A random DAG of catalogue ops over [2, C, 5, 5] tensors, with one or two outputs."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    layout = draw(st.sampled_from(["nchw", "nhwc"]))
+    g = Graph()
+    pool = [g.add_input("x", TensorType((2, 3, H, W), "float32", layout))]
+    n_nodes = draw(st.integers(1, 14))
+    for k in range(n_nodes):
+        kind = draw(st.sampled_from(["unary", "unary", "binary", "cat"]))
+        recent = pool[-4:]
+        if kind == "unary":
+            op = draw(st.sampled_from(UNARY))
+            a = draw(st.sampled_from(recent))
+            pool.append(_add(g, rng, op, [a], k))
+        elif kind == "binary":
+            a = draw(st.sampled_from(recent))
+            same = [v for v in pool if g.values[v].shape == g.values[a].shape]
+            b = draw(st.sampled_from(same))
+            pool.append(_add(g, rng, draw(st.sampled_from(BINARY)), [a, b], k))
+        else:
+            parts = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3))
+            pool.append(_add(g, rng, "cat", parts, k))
+    outs = [pool[-1]]
+    extra = draw(st.sampled_from(pool))
+    if extra != pool[-1] and draw(st.booleans()):
+        outs.append(extra)
+    g.set_outputs(tuple(outs) if len(outs) > 1 else outs[0])
+    return g, seed
+
+
+def _input(g: Graph, seed: int) -> torch.Tensor:
+    t = g.values["x"]
+    x = torch.randn(t.shape, generator=torch.Generator().manual_seed(seed))
+    return x.contiguous(memory_format=torch.channels_last) if t.layout == "nhwc" else x
+
+
+def _flat(out) -> list[torch.Tensor]:  # noqa: ANN001
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    lo = t.data_ptr()
+    span = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
+    return lo, lo + (span + 1) * t.element_size()
+
+
+def _run_recording(plan, inputs):  # noqa: ANN001, ANN202
+    """Run the planned steps one by one; the tensor each value got, by value name."""
+    names = {s: v for v, s in plan.slot_of.items()}
+    env = list(plan._template)
+    for s, x in zip(plan.input_slots, inputs, strict=True):
+        env[s] = x
+    seen: dict[str, torch.Tensor] = {}
+    for fn, ins, outs, multi, frees in plan._program:
+        r = fn(*[env[i] for i in ins])
+        for o, v in zip(outs, r if multi else (r,), strict=True):
+            env[o] = v
+            seen[names[o]] = v
+        for f in frees:
+            env[f] = None
+    return seen
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_graphs())
+def test_planned_equals_reference_and_no_live_overlap(case) -> None:
+    g, seed = case
+    plan = build_plan(g, torch.device("cpu"), plan_memory=True)
+    x = _input(g, seed)
+    with torch.no_grad():
+        ref = _flat(g.evaluate(x))
+        out = _flat(plan.run([x]))
+    for a, b in zip(out, ref, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+    mem = plan.memory
+    mem.check()
+    # the offsets directly: arena classes live together never share a byte
+    arena = [(c, mem.offsets[c], mem.sizes[c], mem.intervals[c]) for c in mem.offsets]
+    for i, (c, o, s, (a, b)) in enumerate(arena):
+        assert o % 64 == 0 and o + s <= mem.arena_bytes
+        for d, o2, s2, (a2, b2) in arena[i + 1 :]:
+            if a <= b2 and a2 <= b:
+                assert o + s <= o2 or o2 + s2 <= o, (c, d)
+
+    # and at run time: values of different classes whose lifetimes intersect never share bytes
+    with torch.no_grad():
+        seen = _run_recording(plan, [x])
+    producer, last = {}, {}
+    for i, u in enumerate(plan.steps):
+        for s in u.outs:
+            producer[s] = i
+        for s in u.ins:
+            last[s] = i
+    outs = set(plan.output_slots)
+    live = {}
+    for v in seen:
+        s = plan.slot_of[v]
+        live[v] = (producer[s], len(plan.steps) if s in outs else last.get(s, producer[s]))
+    vals = sorted(seen)
+    for i, v in enumerate(vals):
+        for w in vals[i + 1 :]:
+            if mem.placements[v].storage == mem.placements[w].storage:
+                continue
+            (a, b), (a2, b2) = live[v], live[w]
+            if a <= b2 and a2 <= b and seen[v].numel() and seen[w].numel():
+                lo, hi = _byte_range(seen[v])
+                lo2, hi2 = _byte_range(seen[w])
+                assert hi <= lo2 or hi2 <= lo, f"{v} and {w} overlap while both live"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_graphs())
+def test_held_output_survives_next_call(case) -> None:
+    g, seed = case
+    plan = build_plan(g, torch.device("cpu"), plan_memory=True)
+    x1, x2 = _input(g, seed), _input(g, seed + 1)
+    with torch.no_grad():
+        first = _flat(plan.run([x1]))
+        kept = [t.clone() for t in first]
+        second = _flat(plan.run([x2]))
+        ref2 = _flat(g.evaluate(x2))
+    for a, b in zip(first, kept, strict=True):
+        assert torch.equal(a, b), "a later call overwrote an output the user holds"
+    for a, b in zip(second, ref2, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    if plan.arena is not None:
+        lo, hi = _byte_range(plan.arena)
+        for t in first + second:
+            a, b = _byte_range(t)
+            assert b <= lo or hi <= a, "an output aliases the arena"
+
+
+class _Inception(torch.nn.Module):
+    """conv-bn-relu branches into a concat, and densenet-style growing concats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def cbr(ci, co, k):  # noqa: ANN001, ANN202
+            return torch.nn.Sequential(
+                torch.nn.Conv2d(ci, co, k, padding=k // 2),
+                torch.nn.BatchNorm2d(co),
+                torch.nn.ReLU(True),
+            )
+
+        self.a, self.b, self.c = cbr(4, 3, 1), cbr(4, 5, 3), cbr(4, 2, 1)
+        self.pool = torch.nn.MaxPool2d(3, 1, 1)
+        self.d1, self.d2 = cbr(14, 3, 3), cbr(17, 3, 3)
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        y = torch.cat([self.a(x), self.b(x), self.c(x), self.pool(x)], 1)
+        f1 = self.d1(torch.cat([y], 1))
+        f2 = self.d2(torch.cat([y, f1], 1))
+        return torch.cat([y, f1, f2], 1).relu()
+
+
+def _randomize(m: torch.nn.Module) -> torch.nn.Module:
+    torch.manual_seed(0)
+    for mod in m.modules():
+        if isinstance(mod, torch.nn.BatchNorm2d):
+            mod.running_mean.uniform_(-0.5, 0.5)
+            mod.running_var.uniform_(0.5, 1.5)
+    return m.eval()
+
+
+def test_concat_slices_inplace_and_free_views() -> None:
+    m = _randomize(_Inception())
+    x = torch.randn(2, 4, 7, 7)
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    with torch.no_grad():
+        torch.testing.assert_close(om(x), m(x), **TOL)
+    kinds = [p.kind for p in om.plan.memory.placements.values()]
+    assert kinds.count("slice") >= 6  # branch outputs and densenet features in their slices
+    assert kinds.count("inplace") >= 5  # batch-norm and relu over dead inputs
+    views = [st for st in om.plan._program if st[0].__name__.startswith("free_concat")]
+    assert views, "the growing concats should be free views of the last one"
+
+
+def test_arena_kept_between_calls_and_released_with_module() -> None:
+    m = _randomize(_Inception())
+    x = torch.randn(1, 4, 6, 6)
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    arena = om.plan.arena
+    assert arena is not None and arena.dtype == torch.uint8
+    ptr = arena.data_ptr()
+    with torch.no_grad():
+        om(x)
+        om(x)
+    assert om.plan.arena.data_ptr() == ptr  # same arena on every call of this signature
+    ref = weakref.ref(arena)
+    del arena, om
+    gc.collect()
+    assert ref() is None, "the arena outlived its OptimizedModule"
+
+
+def test_planning_off_gives_no_memory_plan() -> None:
+    m = _randomize(_Inception())
+    x = torch.randn(1, 4, 6, 6)
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, plan_memory=False)
+    assert om.plan.memory is None and om.plan.arena is None
+    with torch.no_grad():
+        torch.testing.assert_close(om(x), m(x), **TOL)
+
+
+NETWORKS = [
+    "alexnet",
+    "vgg16",
+    "resnet18",
+    "resnet50",
+    "densenet121",
+    "squeezenet1_1",
+    "mobilenet_v2",
+    "mobilenet_v3_small",
+    "googlenet",
+    "inception_v3",
+    "shufflenet_v2_x1_0",
+]
+
+
+@pytest.mark.parametrize("name", NETWORKS)
+def test_networks_match_pytorch_with_planning(name: str) -> None:
+    tvm = pytest.importorskip("torchvision.models")
+    torch.manual_seed(0)
+    kw = (
+        {"aux_logits": False, "init_weights": False}
+        if name in ("googlenet", "inception_v3")
+        else {}
+    )
+    m = tvm.get_model(name, weights=None, **kw).eval()
+    size = 299 if name == "inception_v3" else 224
+    x = torch.randn(1, 3, size, size)
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, plan_memory=True)
+    assert om.plan.memory is not None
+    with torch.no_grad():
+        ref = m(x)
+        y = om(x)
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * max(scale, 1.0))
