@@ -149,6 +149,16 @@ class _ValueTracer(fx.Tracer):
             nn.Module.__call__, nn.Module.__getattr__ = patched_call, patched_getattr
 
 
+def _is_channels_last(x: Any) -> bool:
+    """A 4-d tensor stored channels_last (and not also plainly contiguous)."""
+    return (
+        isinstance(x, torch.Tensor)
+        and x.dim() == 4
+        and x.is_contiguous(memory_format=torch.channels_last)
+        and not x.is_contiguous()
+    )
+
+
 def _describe(value: Any) -> Any:
     """What lowering needs of a traced value: tensor types, nested like the value."""
     if isinstance(value, torch.Tensor):
@@ -226,9 +236,10 @@ def _norm_dim(d: int, rank: int) -> int:
 
 
 class _Lowering:
-    def __init__(self, gm: fx.GraphModule, fx_graph: fx.Graph) -> None:
+    def __init__(self, gm: fx.GraphModule, fx_graph: fx.Graph, examples: Sequence[Any]) -> None:
         self.gm = gm
         self.fx_graph = fx_graph
+        self.examples = list(examples)  # the user's example inputs (their memory formats)
         self.g = Graph()
         self.env: dict[fx.Node, Any] = {}
         self.param_of: dict[int, tuple[str, torch.Tensor]] = {}  # id(tensor) -> (name, tensor)
@@ -328,6 +339,8 @@ class _Lowering:
                     raise UnsupportedError(
                         f"input {fxn.name!r} is not a tensor ({type(meta).__name__})"
                     )
+                if meta.rank == 4 and _is_channels_last(self.examples[len(self.g.inputs)]):
+                    meta = TensorType(meta.shape, meta.dtype, "nhwc")
                 self.env[fxn] = _V(self.g.add_input(fxn.name, meta))
             elif fxn.op == "get_attr":
                 obj = _fetch_attr(self.gm, fxn.target)
@@ -1090,6 +1103,6 @@ def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> Graph:
             f"{len(examples)} example inputs were given"
         )
     gm = fx.GraphModule(tracer.root, fx_graph)
-    g = _Lowering(gm, fx_graph).run()
+    g = _Lowering(gm, fx_graph, example_inputs).run()
     g.meta["model"] = type(model).__name__
     return g

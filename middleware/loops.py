@@ -543,6 +543,9 @@ RULES: dict[str, Callable[[Graph, Node], OpLoops]] = {
     "adaptive_max_pool2d": _adaptive,
     "mean": _mean,
     **{v: _view for v in VIEWS},
+    # a layout conversion is the identity on logical (n, c, h, w) indices: each value's
+    # loads and stores follow its own layout
+    "to_layout": _view,
     "reshape": _reshape,
     "flatten": _reshape,
     "conv2d": _conv2d_depthwise,

@@ -119,9 +119,10 @@ def assign_layout(graph: Graph, hardware: Hardware | None = None, layout: str = 
     Expects: a graph whose 4-d values are all declared "nchw" or already passed through this
     pass (then it changes nothing). ``hardware.kind`` picks the "auto" layout (cpu when
     None); ``layout`` is ``Options.layout``.
-    Guarantees: same outputs; every 4-d graph input is converted once, right at the start,
-    to the network layout (so callers may pass either memory format); every 4-d graph output
-    comes back "nchw" (contiguous, as PyTorch gives it); layout-sensitive ops read and write
+    Guarantees: same outputs; every 4-d graph input not already stored in the network layout
+    is converted once, right at the start; every 4-d graph output comes back as PyTorch
+    gives it: "nhwc" when a 4-d input is declared "nhwc" (channels_last in, channels_last
+    out), else "nchw" (contiguous); layout-sensitive ops read and write
     "nchw", with one conversion per value that needs it (shared by all its readers);
     parameters keep their layout; the contract of the module docstring holds.
     """
@@ -131,8 +132,11 @@ def assign_layout(graph: Graph, hardware: Hardware | None = None, layout: str = 
     out = _Builder(graph)
     for v in graph.inputs:
         t = graph.values[v]
-        if t.rank == 4:
-            out.alias[v] = out.convert(v, mode, declared="nchw", base=v)
+        if t.rank == 4 and t.layout != mode:
+            out.alias[v] = out.convert(v, mode, declared=t.layout, base=v)
+    # 4-d outputs come back in the memory format PyTorch would give them: channels_last
+    # when a 4-d input came channels_last, else contiguous
+    user = "nhwc" if any(graph.values[v].layout == "nhwc" for v in graph.inputs) else "nchw"
     done: set[str] = set()
     for n in graph.nodes():
         if n.name in done:
@@ -146,8 +150,8 @@ def assign_layout(graph: Graph, hardware: Hardware | None = None, layout: str = 
     tree = map_tree(graph.output_tree, out.current)
     final: dict[str, str] = {}
     for v in flatten_tree(tree):
-        if out.values[v].rank == 4 and out.values[v].layout != "nchw" and v not in final:
-            final[v] = out.convert(v, "nchw", base=_strip(v))
+        if out.values[v].rank == 4 and out.values[v].layout != user and v not in final:
+            final[v] = out.convert(v, user, base=_strip(v))
     g = graph.rebuild(out.nodes)
     g.set_outputs(map_tree(tree, lambda v: final.get(v, v)))
     g.meta["layout"] = mode

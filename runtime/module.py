@@ -48,6 +48,24 @@ class InputSpec:
         return InputSpec(x.dim(), int(x.shape[1]) if x.dim() >= 2 else None, x.dtype, x.device)
 
 
+def _cl(x: torch.Tensor) -> bool:
+    """Part of the signature: a 4-d input stored channels_last gets its own plan (which reads
+    it without conversion and returns channels_last outputs, as PyTorch would)."""
+    return (
+        x.dim() == 4
+        and not x.is_contiguous()
+        and x.is_contiguous(memory_format=torch.channels_last)
+    )
+
+
+def _dense(inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """Inputs stored neither contiguous nor channels_last (a transposed or sliced view) are
+    made contiguous: plans read their inputs in a declared layout."""
+    if all(x.is_contiguous() or _cl(x) for x in inputs):
+        return inputs
+    return tuple(x if x.is_contiguous() or _cl(x) else x.contiguous() for x in inputs)
+
+
 def _describe_tensor(x: Any) -> str:
     if not isinstance(x, torch.Tensor):
         return type(x).__name__
@@ -139,7 +157,7 @@ class OptimizedModule(nn.Module):
     # ------------------------------------------------------------------ calling
     @staticmethod
     def _signature(inputs: Sequence[torch.Tensor]) -> tuple:
-        return tuple((tuple(x.shape), x.dtype, x.device) for x in inputs)
+        return tuple((tuple(x.shape), x.dtype, x.device, _cl(x)) for x in inputs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._fallback_reason is not None:
@@ -149,7 +167,8 @@ class OptimizedModule(nn.Module):
                 f"keyword inputs ({', '.join(kwargs)}) are not supported; pass tensors positionally"
             )
         try:
-            sig = tuple((tuple(x.shape), x.dtype, x.device) for x in inputs)
+            inputs = _dense(inputs)
+            sig = tuple((tuple(x.shape), x.dtype, x.device, _cl(x)) for x in inputs)
         except AttributeError:
             self._check_types(inputs)
             raise

@@ -84,6 +84,12 @@ class Plan:
         self._unplanned = self._program
         self._busy = threading.Lock()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Plan:
+        # A plan is immutable once built (loaded kernels, prepacked weights); copies of an
+        # OptimizedModule share it, and its lock sends a concurrent caller down the unplanned
+        # steps, so sharing the arena is safe.
+        return self
+
     def use_memory_plan(self, planned: Any) -> None:  # planned: memory.PlannedUnits
         """Run the steps through the buffer plan's functions (same values, reused memory)."""
         self.memory, self.arena = planned.memory, planned.arena
