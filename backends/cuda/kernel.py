@@ -1,0 +1,122 @@
+"""A generated CUDA kernel as a callable over framework tensors, and the backend's entry
+points: render -> compile -> load for one group.
+
+Buffers: outputs are allocated with ``torch.empty`` on the inputs' device in the layout the
+graph gives them (channels_last for "nhwc"), so PyTorch's caching allocator owns every byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ...graph import TensorType
+from ...hardware import Hardware
+from .build import build, cubin_request
+from .group import KernelGroup
+from .render import RenderedKernel, render_group
+
+
+class Launcher(Protocol):
+    def launch(self, grid: int, block: int, ptrs: Sequence[int]) -> None: ...
+
+
+def _format(t: TensorType) -> torch.memory_format:
+    return torch.channels_last if t.rank == 4 and t.layout == "nhwc" else torch.contiguous_format
+
+
+def _dense(x: torch.Tensor, t: TensorType) -> torch.Tensor:
+    """``x`` laid out as ``t`` says (a copy only when it is not already)."""
+    if tuple(x.shape) != t.shape:
+        raise ValueError(f"kernel input has shape {tuple(x.shape)}, expected {t.shape}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"kernel input is {x.dtype}, generated CUDA kernels take float32")
+    fmt = _format(t)
+    if x.is_contiguous(memory_format=fmt) and x.storage_offset() >= 0:
+        return x
+    return x.contiguous(memory_format=fmt)
+
+
+class GeneratedKernel:
+    """``kernel(*inputs)`` returns the group's output(s); ``kernel.out(*inputs, *outputs)``
+    writes into preallocated outputs (the destination-passing form)."""
+
+    def __init__(self, rendered: RenderedKernel, launcher: Launcher) -> None:
+        self.rendered = rendered
+        self.launcher = launcher
+        self.name = rendered.name
+        self._n_in = len(rendered.inputs)
+        self._launch = rendered.launch
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        r = self.rendered
+        dev = inputs[0].device if inputs else torch.device("cpu")
+        outs = [
+            torch.empty(t.shape, dtype=torch.float32, device=dev, memory_format=_format(t))
+            for t in r.out_types
+        ]
+        self.out(*inputs, *outs)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def out(self, *args: torch.Tensor) -> None:
+        r = self.rendered
+        ins = [_dense(x, t) for x, t in zip(args[: self._n_in], r.in_types, strict=True)]
+        outs = list(args[self._n_in :])
+        staged = []
+        for i, (o, t) in enumerate(zip(outs, r.out_types, strict=True)):
+            if tuple(o.shape) != t.shape or not o.is_contiguous(memory_format=_format(t)):
+                tmp = torch.empty(t.shape, dtype=torch.float32, device=o.device,
+                                  memory_format=_format(t))
+                staged.append((o, tmp))
+                outs[i] = tmp
+        ptrs = [x.data_ptr() for x in ins] + [o.data_ptr() for o in outs]
+        self.launcher.launch(self._launch.grid, self._launch.block, ptrs)
+        for dst, tmp in staged:
+            dst.copy_(tmp)
+
+
+def compile_cuda_group(
+    group: KernelGroup,
+    hardware: Hardware,
+    cache_dir: Path,
+    device: int = 0,
+    key_extra: tuple[str, ...] = (),
+    loader: str | None = None,
+) -> GeneratedKernel:
+    """Render ``group``, compile it for ``hardware.arch`` through the kernel cache, load it
+    with pycuda or cuda.bindings on ``device``; a callable over CUDA tensors.
+
+    Raises ``UnsupportedError`` (cannot render), ``CompileError`` (nvcc/NVRTC failed) or
+    ``DeviceError`` (no compiler or loader).
+    """
+    from .loader import LoadedKernel, get_loader
+
+    rendered = render_group(group, hardware, emulate=False)
+    req = cubin_request(rendered.name, rendered.source, hardware.arch or "sm_80", key_extra,
+                        meta=_meta(rendered))
+    cubin = build(req, cache_dir).read_bytes()
+    launcher = LoadedKernel(cubin, rendered.name, device, get_loader(loader))
+    return GeneratedKernel(rendered, launcher)
+
+
+def emulate_group(group: KernelGroup, hardware: Hardware, cache_dir: Path) -> GeneratedKernel:
+    """The same kernel compiled for the CPU emulation: a callable over CPU tensors."""
+    from .emulate import EmulatedLauncher
+
+    rendered = render_group(group, hardware, emulate=True)
+    return GeneratedKernel(rendered, EmulatedLauncher(rendered, cache_dir))
+
+
+def _meta(r: RenderedKernel) -> dict[str, Any]:
+    return {
+        "group": r.group.name,
+        "layers": [n.name for n in r.group.nodes],
+        "shapes": {v: str(t) for v, t in r.group.types.items()},
+        "grid": r.launch.grid,
+        "block": r.launch.block,
+    }
+
+
