@@ -60,8 +60,14 @@ def check_arch(arch: str) -> str:
     return arch
 
 
-def cubin_request(name: str, source: str, arch: str, key_extra: tuple[str, ...] = (),
-                  meta: dict | None = None, compiler: str = "auto"):  # noqa: ANN201
+def cubin_request(
+    name: str,
+    source: str,
+    arch: str,
+    key_extra: tuple[str, ...] = (),
+    meta: dict | None = None,
+    compiler: str = "auto",
+):  # noqa: ANN201
     """The :class:`BuildRequest` that compiles ``source`` to ``kernel.cubin`` for ``arch``.
 
     ``compiler``: "nvcc", "nvrtc" or "auto" (nvcc when found, else NVRTC through
@@ -100,8 +106,18 @@ def emulation_request(name: str, source: str, meta: dict | None = None):  # noqa
     from ..cache import BuildRequest
 
     cxx = shutil.which("g++") or shutil.which("c++") or "g++"
-    command = (cxx, "-x", "c++", *EMULATE_FLAGS, "-DMW_EMULATE", "-include", "{dir}/emulate.h",
-               "-o", "{out}", "{src}")
+    command = (
+        cxx,
+        "-x",
+        "c++",
+        *EMULATE_FLAGS,
+        "-DMW_EMULATE",
+        "-include",
+        "{dir}/emulate.h",
+        "-o",
+        "{out}",
+        "{src}",
+    )
     return BuildRequest(
         name=name + "_emu",
         source=source,

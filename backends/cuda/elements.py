@@ -89,9 +89,7 @@ def load_fn(ctx: _Ctx, value: str) -> ElementFn:
     st = strides(t)
     cast = "" if t.numel < 2**31 else "(long long)"
     terms = [
-        f"{cast}i{k}" + (f" * {s}" if s != 1 else "")
-        for k, s in enumerate(st)
-        if t.shape[k] != 1
+        f"{cast}i{k}" + (f" * {s}" if s != 1 else "") for k, s in enumerate(st) if t.shape[k] != 1
     ]
     offset = " + ".join(terms) if terms else "0"
     name = ctx.names[value]
@@ -122,11 +120,17 @@ def _binary(ctx: _Ctx, n: Node, k: int) -> list[str]:
     if n.attrs.get("scalar") is not None:
         s = flt(n.attrs["scalar"])
         x = ctx.call(n.inputs[0], _broadcast_coords(r, ctx.t(n.inputs[0])))
-        expr = binary(n.op, s, "x", alpha) if n.attrs.get("reverse") else binary(n.op, "x", s, alpha)
+        expr = (
+            binary(n.op, s, "x", alpha) if n.attrs.get("reverse") else binary(n.op, "x", s, alpha)
+        )
         return [f"const float x = {x};", f"return {expr};"]
     x = ctx.call(n.inputs[0], _broadcast_coords(r, ctx.t(n.inputs[0])))
     y = ctx.call(n.inputs[1], _broadcast_coords(r, ctx.t(n.inputs[1])))
-    return [f"const float x = {x};", f"const float y = {y};", f"return {binary(n.op, 'x', 'y', alpha)};"]
+    return [
+        f"const float x = {x};",
+        f"const float y = {y};",
+        f"return {binary(n.op, 'x', 'y', alpha)};",
+    ]
 
 
 def _batch_norm(ctx: _Ctx, n: Node, k: int) -> list[str]:
@@ -409,7 +413,7 @@ def supported_ops() -> tuple[str, ...]:
 
 
 def why_unsupported(group: KernelGroup) -> str:
-    """"" when every node of ``group`` can be rendered, else the reason it cannot."""
+    """ "" when every node of ``group`` can be rendered, else the reason it cannot."""
     for n in group.nodes:
         if n.op not in EMITTERS:
             return f"op {n.op} has no CUDA element function"

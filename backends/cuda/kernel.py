@@ -68,8 +68,9 @@ class GeneratedKernel:
         staged = []
         for i, (o, t) in enumerate(zip(outs, r.out_types, strict=True)):
             if tuple(o.shape) != t.shape or not o.is_contiguous(memory_format=_format(t)):
-                tmp = torch.empty(t.shape, dtype=torch.float32, device=o.device,
-                                  memory_format=_format(t))
+                tmp = torch.empty(
+                    t.shape, dtype=torch.float32, device=o.device, memory_format=_format(t)
+                )
                 staged.append((o, tmp))
                 outs[i] = tmp
         ptrs = [x.data_ptr() for x in ins] + [o.data_ptr() for o in outs]
@@ -95,8 +96,9 @@ def compile_cuda_group(
     from .loader import LoadedKernel, get_loader
 
     rendered = render_group(group, hardware, emulate=False)
-    req = cubin_request(rendered.name, rendered.source, hardware.arch or "sm_80", key_extra,
-                        meta=_meta(rendered))
+    req = cubin_request(
+        rendered.name, rendered.source, hardware.arch or "sm_80", key_extra, meta=_meta(rendered)
+    )
     cubin = build(req, cache_dir).read_bytes()
     launcher = LoadedKernel(cubin, rendered.name, device, get_loader(loader))
     return GeneratedKernel(rendered, launcher)
@@ -118,5 +120,3 @@ def _meta(r: RenderedKernel) -> dict[str, Any]:
         "grid": r.launch.grid,
         "block": r.launch.block,
     }
-
-

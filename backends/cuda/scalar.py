@@ -38,9 +38,7 @@ UNARY: dict[str, Callable[[str, Mapping[str, Any]], str]] = {
     "hardtanh": lambda x, a: (
         f"fminf(fmaxf({x}, {flt(a.get('min_val', -1.0))}), {flt(a.get('max_val', 1.0))})"
     ),
-    "leaky_relu": lambda x, a: (
-        f"({x} > 0.0f ? {x} : {x} * {flt(a.get('negative_slope', 0.01))})"
-    ),
+    "leaky_relu": lambda x, a: f"({x} > 0.0f ? {x} : {x} * {flt(a.get('negative_slope', 0.01))})",
     "sigmoid": lambda x, a: f"(1.0f / (1.0f + expf(-{x})))",
     "tanh": lambda x, a: f"tanhf({x})",
     "silu": lambda x, a: f"({x} / (1.0f + expf(-{x})))",
