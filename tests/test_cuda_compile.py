@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from cuda_cases import CASES, FAKE_GPU, LAYOUTS
 from middleware.backends.cuda.build import build, cubin_request, find_nvcc, nvrtc_available
 from middleware.backends.cuda.group import group_from_nodes

@@ -11,7 +11,6 @@ import zlib
 
 import pytest
 import torch
-
 from cuda_cases import CASES, FAKE_GPU, LAYOUTS, inputs_for, kernel_args
 from middleware.backends.cuda.group import group_from_nodes
 from middleware.backends.cuda.kernel import emulate_group

@@ -296,7 +296,7 @@ def _cat(ctx: _Ctx, n: Node, k: int) -> list[str]:
         coords[d] = f"i{d} - {off}" if off else f"i{d}"
         lines.append(f"if (i{d} < {off + size}) return {ctx.call(v, coords)};")
         off += size
-    lines.append("return 0.0f;  // unreachable: i{} < {}".format(d, off))
+    lines.append(f"return 0.0f;  // unreachable: i{d} < {off}")
     return lines
 
 
