@@ -40,6 +40,10 @@ def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.dev
     Every node runs on its own through the framework (vendor/ATen), fallback nodes call
     the original callable.
     """
+    if device.type == "cuda":  # io groups -> generated CUDA kernels; the rest -> cuDNN/cuBLAS
+        from .backends.cuda.units import cuda_units
+
+        return cuda_units(graph, options, hardware, device)
     units: list[Unit] = []
     for n in graph.nodes():
         runs_as, fn, reason = node_step(graph, n, device)
