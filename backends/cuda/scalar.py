@@ -48,6 +48,8 @@ UNARY: dict[str, Callable[[str, Mapping[str, Any]], str]] = {
     "identity": lambda x, a: x,
     "dropout": lambda x, a: x,
     "contiguous": lambda x, a: x,
+    # a change of memory order only: the output's layout decides where the element goes
+    "to_layout": lambda x, a: x,
 }
 
 

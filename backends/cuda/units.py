@@ -92,6 +92,10 @@ def cuda_units(
     from .loader import LoadedKernel, get_loader
     from .render import render_group
 
+    try:  # cuDNN/cuBLAS calls with prepacked weights, where the vendor module offers them
+        from ..x86.vendor import vendor_kernel
+    except ImportError:
+        vendor_kernel = None
     if emulate:
         index = -1
     else:
@@ -184,6 +188,8 @@ def cuda_units(
             )
             continue
         runs_as, fn, reason = node_step(graph, n, device)
+        if runs_as == "vendor" and vendor_kernel is not None and not emulate:
+            fn = vendor_kernel(graph, n, device, hardware) or fn
         if gid is not None and runs_as == "vendor":
             reason = f"not fused: {reasons.get(gid, '')}"
         units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
