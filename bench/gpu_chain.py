@@ -39,8 +39,9 @@ class Chain(nn.Module):
         return self.pool(torch.relu(self.bn(x)))
 
 
-def time_modes(fns: dict, repeat: int, warmup: int) -> dict[str, float]:
-    """Median milliseconds per mode, modes interleaved in every round."""
+def time_modes(fns: dict, repeat: int, warmup: int, inner: int = 10) -> dict[str, float]:
+    """Median milliseconds per call of each mode, modes interleaved in every round; a round
+    times ``inner`` back-to-back calls between two events (hides the launch latency)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -50,10 +51,11 @@ def time_modes(fns: dict, repeat: int, warmup: int) -> dict[str, float]:
         for k, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(inner):
+                fn()
             end.record()
             end.synchronize()
-            times[k].append(start.elapsed_time(end))
+            times[k].append(start.elapsed_time(end) / inner)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -61,7 +63,7 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeat: int = 20) -> float:
     """GB/s moved (read + written) by a device-to-device tensor copy."""
     src = torch.empty(nbytes // 4, device="cuda").uniform_()
     dst = torch.empty_like(src)
-    ms = time_modes({"copy": lambda: dst.copy_(src)}, repeat, 3)["copy"]
+    ms = time_modes({"copy": lambda: dst.copy_(src)}, repeat, 3, inner=1)["copy"]
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 

@@ -112,3 +112,13 @@ def test_unsupported_group_is_refused():
     g.set_outputs("y")
     with pytest.raises(UnsupportedError, match="linear"):
         render_group(group_from_nodes(g, ["fc"]), FAKE_GPU)
+
+
+def test_render_cuda_takes_the_shared_schedule():
+    """The backend-neutral schedule of the fusion pass renders to the same kernel as the
+    group of its layers (skipped until passes/schedule.py is in the tree)."""
+    schedule_mod = pytest.importorskip("middleware.passes.schedule")
+    graph, names = CASES["bn_relu_maxpool"]("nhwc")
+    schedule = schedule_mod.schedule_group(graph, names, FAKE_GPU)
+    src = render_cuda(schedule, FAKE_GPU, graph)
+    assert src == render_group(group_from_nodes(graph, names, schedule.name), FAKE_GPU).source

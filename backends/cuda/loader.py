@@ -64,6 +64,7 @@ class CudaBindingsLoader:
         self.cu = driver
         self._check(driver.cuInit(0)[0], "cuInit")
         self._images: list[Any] = []  # cubin buffers stay alive as long as their modules
+        self._params: dict[int, tuple[Any, Any, int]] = {}
 
     def _check(self, err: Any, what: str) -> None:
         if int(err) != 0:
@@ -94,13 +95,20 @@ class CudaBindingsLoader:
         return fn
 
     def launch(self, fn: Any, grid: int, block: int, ptrs: Sequence[int], stream: int) -> None:
+        # kernelParams: an array of pointers to the argument values (the driver copies the
+        # values at launch, so the two arrays are reused from launch to launch)
         n = len(ptrs)
-        values = (ctypes.c_void_p * n)(*ptrs)
-        base = ctypes.addressof(values)
-        size = ctypes.sizeof(ctypes.c_void_p)
-        params = (ctypes.c_void_p * n)(*[base + i * size for i in range(n)])
+        arrays = self._params.get(n)
+        if arrays is None:
+            values = (ctypes.c_void_p * n)()
+            base, size = ctypes.addressof(values), ctypes.sizeof(ctypes.c_void_p)
+            params = (ctypes.c_void_p * n)(*[base + i * size for i in range(n)])
+            arrays = self._params[n] = (values, params, ctypes.addressof(params))
+        values, _, address = arrays
+        for i, p in enumerate(ptrs):
+            values[i] = p
         (err,) = self.cu.cuLaunchKernel(
-            fn, grid, 1, 1, block, 1, 1, 0, self.cu.CUstream(stream), ctypes.addressof(params), 0
+            fn, grid, 1, 1, block, 1, 1, 0, self.cu.CUstream(stream), address, 0
         )
         self._check(err, "cuLaunchKernel")
 

@@ -167,24 +167,36 @@ def render_group(group: KernelGroup, hardware: Hardware, emulate: bool = True) -
     )
 
 
-def render_cuda(schedule: Any, hardware: Hardware) -> str:
-    """The CUDA C source of ``schedule`` (a ``KernelGroup``, or any record with ``graph``
-    and ``nodes`` naming the group's nodes) for ``hardware``."""
-    return render_group(as_group(schedule), hardware).source
+def render_cuda(schedule: Any, hardware: Hardware, graph: Any = None) -> str:
+    """The CUDA C source of a fused group for ``hardware``.
+
+    ``schedule``: a :class:`KernelGroup`, or the backend-neutral ``Schedule`` of
+    ``passes/schedule.py`` (its ``layers`` name the group's nodes) together with the
+    ``graph`` it was made from. The CUDA backend keeps the schedule's fusion decision (which
+    nodes, which values are written) and maps it onto the GPU its own way: one thread per
+    output element, the halo recomputed in registers instead of a per-tile scratch buffer
+    (on a GPU that buffer would live in local memory or need a block barrier).
+    """
+    return render_group(as_group(schedule, graph), hardware).source
 
 
-def as_group(schedule: Any) -> KernelGroup:
-    """A :class:`KernelGroup` from a group record: a ``KernelGroup`` itself, or a schedule
-    that carries its graph and node names (``graph`` and ``nodes`` or ``node_names``)."""
+def as_group(schedule: Any, graph: Any = None) -> KernelGroup:
+    """A :class:`KernelGroup` from a group record: a ``KernelGroup`` itself, or a record
+    naming its nodes (``layers``, ``node_names`` or ``nodes``) in ``graph`` (or in its own
+    ``graph`` attribute)."""
     from .group import group_from_nodes
 
     if isinstance(schedule, KernelGroup):
         return schedule
-    graph = getattr(schedule, "graph", None)
-    nodes = getattr(schedule, "node_names", None) or getattr(schedule, "nodes", None)
+    graph = graph if graph is not None else getattr(schedule, "graph", None)
+    nodes = (
+        getattr(schedule, "layers", None)
+        or getattr(schedule, "node_names", None)
+        or getattr(schedule, "nodes", None)
+    )
     if graph is None or nodes is None:
         raise UnsupportedError(
-            f"cannot render a {type(schedule).__name__}: it names no graph and nodes"
+            f"cannot render a {type(schedule).__name__} without the graph and its node names"
         )
     names = [n if isinstance(n, str) else n.name for n in nodes]
     return group_from_nodes(graph, names, str(getattr(schedule, "name", "") or ""))
