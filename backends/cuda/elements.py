@@ -93,7 +93,10 @@ def load_fn(ctx: _Ctx, value: str) -> ElementFn:
     ]
     offset = " + ".join(terms) if terms else "0"
     name = ctx.names[value]
-    return ElementFn(value, name, t.rank, (f"return a.{name}[{offset}];",), f"load {value}: {t}")
+    # a plain load: const __restrict__ already gives the read-only path (LDG.CONSTANT), and
+    # unlike __ldg it lets the compiler share loads between the taps of a window
+    body = (f"return a.{name}[{offset}];",)
+    return ElementFn(value, name, t.rank, body, f"load {value}: {t}")
 
 
 # ----------------------------------------------------------------------------- emitters
@@ -169,18 +172,25 @@ def _max_pool(ctx: _Ctx, n: Node, k: int) -> list[str]:
     sh, sw = _pair(stride)
     ph, pw = _pair(n.attrs.get("padding", 0))
     dh, dw = _pair(n.attrs.get("dilation", 1))
-    x = ctx.call(n.inputs[0], ["i0", "i1", "h", "w"])
+    x = ctx.call(n.inputs[0], ["i0", "i1", "hc", "wc"])
+    # Branch-free window: out-of-range taps read a clamped (valid) element and are masked
+    # out. Every tap then executes the same loads, so the compiler can share what the taps
+    # have in common (a batch-norm's per-channel factors) instead of reloading it per tap.
     lines = [
         "float acc = -INFINITY;",
         f"const int h0 = i2 * {sh} - {ph}, w0 = i3 * {sw} - {pw};",
+        "#pragma unroll",
         f"for (int kh = 0; kh < {kh}; ++kh) {{",
         f"  const int h = h0 + kh * {dh};",
-        f"  if (h < 0 || h >= {H}) continue;",
+        f"  const bool hin = h >= 0 && h < {H};",
+        f"  const int hc = min(max(h, 0), {H - 1});",
+        "  #pragma unroll",
         f"  for (int kw = 0; kw < {kw}; ++kw) {{",
         f"    const int w = w0 + kw * {dw};",
-        f"    if (w < 0 || w >= {W}) continue;",
+        f"    const int wc = min(max(w, 0), {W - 1});",
         f"    const float v = {x};",
-        "    acc = (v > acc || v != v) ? v : acc;",
+        f"    const bool in = hin && w >= 0 && w < {W};",
+        "    acc = (in && (v > acc || v != v)) ? v : acc;",
         "  }",
         "}",
     ]
@@ -201,17 +211,29 @@ def _avg_pool(ctx: _Ctx, n: Node, k: int) -> list[str]:
     ph, pw = _pair(n.attrs.get("padding", 0))
     cip = bool(n.attrs.get("count_include_pad", True))
     div = n.attrs.get("divisor_override")
-    x = ctx.call(n.inputs[0], ["i0", "i1", "h", "w"])
+    x = ctx.call(n.inputs[0], ["i0", "i1", "hc", "wc"])
     # PyTorch's rule: the window is clipped to the padded input for the divisor when
-    # count_include_pad, and to the input itself otherwise.
+    # count_include_pad, and to the input itself otherwise. Taps are branch-free (see
+    # max-pooling).
     lines = [
         f"int hs = i2 * {sh} - {ph}, ws = i3 * {sw} - {pw};",
         f"int he = min(hs + {kh}, {H + ph}), we = min(ws + {kw}, {W + pw});",
         "const int pool = (he - hs) * (we - ws);",
-        f"hs = max(hs, 0); ws = max(ws, 0); he = min(he, {H}); we = min(we, {W});",
         "float acc = 0.0f;",
-        "for (int h = hs; h < he; ++h)",
-        f"  for (int w = ws; w < we; ++w) acc += {x};",
+        "#pragma unroll",
+        f"for (int kh = 0; kh < {kh}; ++kh) {{",
+        "  const int h = hs + kh;",
+        f"  const bool hin = h >= 0 && h < {H};",
+        f"  const int hc = min(max(h, 0), {H - 1});",
+        "  #pragma unroll",
+        f"  for (int kw = 0; kw < {kw}; ++kw) {{",
+        "    const int w = ws + kw;",
+        f"    const int wc = min(max(w, 0), {W - 1});",
+        f"    const float v = {x};",
+        f"    acc += (hin && w >= 0 && w < {W}) ? v : 0.0f;",
+        "  }",
+        "}",
+        f"hs = max(hs, 0); ws = max(ws, 0); he = min(he, {H}); we = min(we, {W});",
     ]
     if div:
         lines.append(f"return acc / {flt(float(div))};")
