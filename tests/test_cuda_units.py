@@ -134,3 +134,43 @@ def test_mobilenet_v3_small_planned_for_cuda_matches_pytorch(tmp_path):
     with torch.no_grad():
         expected = model(x)
     torch.testing.assert_close(plan.run([x]), expected, rtol=1e-4, atol=1e-4)
+
+
+def _broken_renderer(monkeypatch):
+    import dataclasses
+
+    from middleware.backends.cuda import render
+
+    real = render.render_group
+
+    def broken(group, hardware, emulate=True):
+        r = real(group, hardware, emulate)
+        return dataclasses.replace(r, source=r.source + "\n#error planted failure\n")
+
+    monkeypatch.setattr(render, "render_group", broken)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
+def test_compile_failure_falls_back_with_the_reason(monkeypatch, tmp_path):
+    _broken_renderer(monkeypatch)
+    model = _randomise_bn(SmallNet())
+    x = torch.randn(1, 3, 8, 8)
+    with pytest.warns(RuntimeWarning, match="failed to compile"):
+        graph, units, plan = _emulated_plan(model, x, tmp_path)
+    assert not any(u.runs_as == "generated" for u in units)
+    reasons = [u.reason for u in units if u.reason]
+    assert reasons and all("planted failure" in r for r in reasons)
+    with torch.no_grad():
+        torch.testing.assert_close(plan.run([x]), model(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
+def test_compile_failure_raises_when_strict(monkeypatch, tmp_path):
+    from middleware.errors import CompileError
+
+    _broken_renderer(monkeypatch)
+    graph = middleware.trace(SmallNet().eval(), torch.randn(1, 3, 8, 8))
+    options = Options(device="cuda", cache_dir=tmp_path, measure_hardware=False, strict=True)
+    with pytest.raises(CompileError) as info:
+        cuda_units(graph, options, FAKE_GPU, torch.device("cpu"), emulate=True)
+    assert "planted failure" in info.value.stderr and info.value.command
