@@ -48,8 +48,7 @@ def _exact_fp32():
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory, hardware):
     """A kernel cache with every case compiled up front, in parallel (build_many)."""
-    from middleware.backends.cache import kernel_cache
-    from middleware.backends.cuda.build import cubin_request
+    from middleware.backends.cuda.build import build_many, cubin_request
     from middleware.backends.cuda.group import group_from_nodes
     from middleware.backends.cuda.render import render_group
 
@@ -60,7 +59,7 @@ def cache_dir(tmp_path_factory, hardware):
             graph, names = CASES[case](layout)
             r = render_group(group_from_nodes(graph, names, name=case), hardware, emulate=False)
             reqs.append(cubin_request(r.name, r.source, hardware.arch, ()))
-    for result in kernel_cache(root).build_many(reqs, progress=False):
+    for result in build_many(reqs, root):
         assert not isinstance(result, Exception), str(result)
     return root
 

@@ -17,7 +17,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from ...errors import DeviceError
+from ...errors import CompileError, DeviceError
+
+try:  # the shared kernel cache (backends/cache.py)
+    from ..cache import BuildRequest, kernel_cache
+except ImportError:  # not merged into this tree yet: a stand-in with the same request record
+    from ._nocache import BuildRequest
+
+    kernel_cache = None
 
 EMULATE_H = Path(__file__).parent / "emulate.h"
 NVCC_FLAGS = ("-O3", "-std=c++17")
@@ -73,8 +80,6 @@ def cubin_request(
     ``compiler``: "nvcc", "nvrtc" or "auto" (nvcc when found, else NVRTC through
     cuda-python). Raises ``DeviceError`` when neither is available.
     """
-    from ..cache import BuildRequest
-
     arch = check_arch(arch)
     nvcc = find_nvcc() if compiler in ("auto", "nvcc") else None
     if nvcc is not None:
@@ -103,8 +108,6 @@ def cubin_request(
 def emulation_request(name: str, source: str, meta: dict | None = None):  # noqa: ANN201
     """The :class:`BuildRequest` that compiles ``source`` as C++ for the CPU emulation
     (``emulate.h`` is written beside the source and is part of the key)."""
-    from ..cache import BuildRequest
-
     cxx = shutil.which("g++") or shutil.which("c++") or "g++"
     command = (
         cxx,
@@ -131,11 +134,28 @@ def emulation_request(name: str, source: str, meta: dict | None = None):  # noqa
     )
 
 
-def build(request, cache_dir: Path) -> Path:  # noqa: ANN001
+def build(request: BuildRequest, cache_dir: Path) -> Path:
     """Compile ``request`` through the kernel cache under ``cache_dir``; the binary's path.
 
     Raises :class:`CompileError` with the compiler's output, command and source path.
     """
-    from ..cache import kernel_cache
+    if kernel_cache is None:
+        from ._nocache import build as build_uncached
 
+        return build_uncached(request, Path(cache_dir))
     return kernel_cache(Path(cache_dir)).build(request).binary
+
+
+def build_many(requests: list[BuildRequest], cache_dir: Path) -> list[Path | CompileError]:
+    """Build every request (misses in parallel through the cache); a binary path or the
+    :class:`CompileError` of each, in order."""
+    if kernel_cache is None:
+        out: list[Path | CompileError] = []
+        for req in requests:
+            try:
+                out.append(build(req, cache_dir))
+            except CompileError as exc:
+                out.append(exc)
+        return out
+    results = kernel_cache(Path(cache_dir)).build_many(requests)
+    return [r if isinstance(r, CompileError) else r.binary for r in results]

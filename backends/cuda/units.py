@@ -85,8 +85,7 @@ def cuda_units(
     ``emulate=True`` (tests without a GPU): the same kernels compiled for the CPU emulation
     and run on CPU tensors, so that grouping and plan integration are tested end to end.
     """
-    from ..cache import kernel_cache
-    from .build import cubin_request, emulation_request
+    from .build import build_many, cubin_request, emulation_request
     from .emulate import EmulatedLauncher
     from .kernel import GeneratedKernel
     from .loader import LoadedKernel, get_loader
@@ -144,7 +143,7 @@ def cuda_units(
         rendered[gid] = r
         requests.append((gid, req))
 
-    results = kernel_cache(options.cache_dir).build_many([req for _, req in requests])
+    results = build_many([req for _, req in requests], options.cache_dir)
     loader = get_loader() if requests and not emulate else None
     for (gid, _), result in zip(requests, results, strict=True):
         if isinstance(result, CompileError):
@@ -162,7 +161,7 @@ def cuda_units(
         if emulate:
             launcher = EmulatedLauncher(r, options.cache_dir)
         else:
-            launcher = LoadedKernel(result.binary.read_bytes(), r.name, index, loader)
+            launcher = LoadedKernel(result.read_bytes(), r.name, index, loader)
         kernels[gid] = GeneratedKernel(r, launcher)
 
     units: list[Unit] = []
