@@ -28,53 +28,52 @@ def _format(t: TensorType) -> torch.memory_format:
     return torch.channels_last if t.rank == 4 and t.layout == "nhwc" else torch.contiguous_format
 
 
-def _dense(x: torch.Tensor, t: TensorType) -> torch.Tensor:
-    """``x`` laid out as ``t`` says (a copy only when it is not already)."""
-    if tuple(x.shape) != t.shape:
-        raise ValueError(f"kernel input has shape {tuple(x.shape)}, expected {t.shape}")
+def _dense(x: torch.Tensor, size: torch.Size, fmt: torch.memory_format) -> torch.Tensor:
+    """``x`` laid out as the kernel reads it (a copy only when it is not already)."""
+    if x.shape != size:
+        raise ValueError(f"kernel input has shape {tuple(x.shape)}, expected {tuple(size)}")
     if x.dtype != torch.float32:
         raise TypeError(f"kernel input is {x.dtype}, generated CUDA kernels take float32")
-    fmt = _format(t)
-    if x.is_contiguous(memory_format=fmt) and x.storage_offset() >= 0:
-        return x
-    return x.contiguous(memory_format=fmt)
+    return x if x.is_contiguous(memory_format=fmt) else x.contiguous(memory_format=fmt)
 
 
 class GeneratedKernel:
     """``kernel(*inputs)`` returns the group's output(s); ``kernel.out(*inputs, *outputs)``
-    writes into preallocated outputs (the destination-passing form)."""
+    writes into preallocated outputs (the destination-passing form). Outputs must not
+    alias inputs: a thread reads neighbouring input elements (windows) of what it writes."""
 
     def __init__(self, rendered: RenderedKernel, launcher: Launcher) -> None:
         self.rendered = rendered
         self.launcher = launcher
         self.name = rendered.name
         self._n_in = len(rendered.inputs)
-        self._launch = rendered.launch
+        self._grid, self._block = rendered.launch.grid, rendered.launch.block
+        self._ins = [(torch.Size(t.shape), _format(t)) for t in rendered.in_types]
+        self._outs = [(torch.Size(t.shape), _format(t)) for t in rendered.out_types]
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        r = self.rendered
         dev = inputs[0].device if inputs else torch.device("cpu")
         outs = [
-            torch.empty(t.shape, dtype=torch.float32, device=dev, memory_format=_format(t))
-            for t in r.out_types
+            torch.empty(size, dtype=torch.float32, device=dev, memory_format=fmt)
+            for size, fmt in self._outs
         ]
         self.out(*inputs, *outs)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def out(self, *args: torch.Tensor) -> None:
-        r = self.rendered
-        ins = [_dense(x, t) for x, t in zip(args[: self._n_in], r.in_types, strict=True)]
-        outs = list(args[self._n_in :])
+        n = self._n_in
+        # the laid-out inputs stay referenced until the launch is queued (a copy made here
+        # must not be freed before; on CUDA the caching allocator orders the reuse by stream)
+        ins = [_dense(x, size, fmt) for x, (size, fmt) in zip(args[:n], self._ins, strict=True)]
+        ptrs = [x.data_ptr() for x in ins]
         staged = []
-        for i, (o, t) in enumerate(zip(outs, r.out_types, strict=True)):
-            if tuple(o.shape) != t.shape or not o.is_contiguous(memory_format=_format(t)):
-                tmp = torch.empty(
-                    t.shape, dtype=torch.float32, device=o.device, memory_format=_format(t)
-                )
+        for o, (size, fmt) in zip(args[n:], self._outs, strict=True):
+            if o.shape != size or not o.is_contiguous(memory_format=fmt):
+                tmp = torch.empty(size, dtype=torch.float32, device=o.device, memory_format=fmt)
                 staged.append((o, tmp))
-                outs[i] = tmp
-        ptrs = [x.data_ptr() for x in ins] + [o.data_ptr() for o in outs]
-        self.launcher.launch(self._launch.grid, self._launch.block, ptrs)
+                o = tmp
+            ptrs.append(o.data_ptr())
+        self.launcher.launch(self._grid, self._block, ptrs)
         for dst, tmp in staged:
             dst.copy_(tmp)
 
