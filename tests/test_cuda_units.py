@@ -174,3 +174,15 @@ def test_compile_failure_raises_when_strict(monkeypatch, tmp_path):
     with pytest.raises(CompileError) as info:
         cuda_units(graph, options, FAKE_GPU, torch.device("cpu"), emulate=True)
     assert "planted failure" in info.value.stderr and info.value.command
+
+
+def test_io_groups_follow_the_passes_groups():
+    """With group ids from the passes, a kernel never spans two groups."""
+    graph = middleware.trace(SmallNet().eval(), torch.randn(1, 3, 8, 8))
+    for i, n in enumerate(list(graph.nodes())):
+        graph.replace_node(n.name, n.replace(group=0 if i < 3 else 1))
+    groups = io_groups(graph)
+    for g in groups:
+        assert len({graph.node(n).group for n in g}) == 1
+    assert [graph.node(n).op for n in groups[0]] == ["batch_norm", "relu"]
+    assert [graph.node(n).op for n in groups[1]] == ["max_pool2d"]

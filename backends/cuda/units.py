@@ -32,23 +32,22 @@ def _is_io(n: Node) -> bool:
 
 
 def io_groups(graph: Graph) -> list[list[str]]:
-    """The node names of each I/O-bound group to fuse, in execution order."""
-    nodes = list(graph.nodes())
-    if any(n.group is not None for n in nodes):
-        by_group: dict[int, list[str]] = {}
-        for n in nodes:
-            if n.group is not None and _is_io(n):
-                by_group.setdefault(n.group, []).append(n.name)
-        return [names for names in by_group.values() if names]
+    """The node names of each I/O-bound group to fuse, in execution order.
+
+    Runs of consecutive nodes (in the graph's topological order) that are io, renderable
+    and, when the passes grouped the graph, of one group; each run split into its
+    connected parts. A part of consecutive nodes is convex (no path leaves it and comes
+    back), so it can run as one kernel.
+    """
     groups: list[list[str]] = []
     run: list[Node] = []
-    for n in [*nodes, None]:
-        if n is not None and _is_io(n):
+    for n in [*graph.nodes(), None]:
+        if n is not None and _is_io(n) and (not run or run[-1].group == n.group):
             run.append(n)
             continue
         if run:
             groups.extend(_connected_parts(graph, run))
-        run = []
+        run = [n] if n is not None and _is_io(n) else []
     return groups
 
 
