@@ -12,8 +12,11 @@ import zlib
 import pytest
 import torch
 from cuda_cases import CASES, FAKE_GPU, LAYOUTS, inputs_for, kernel_args
+from middleware.backends.cuda.build import build, emulation_request
+from middleware.backends.cuda.emulate import EmulatedLauncher
 from middleware.backends.cuda.group import group_from_nodes
-from middleware.backends.cuda.kernel import emulate_group
+from middleware.backends.cuda.kernel import GeneratedKernel, emulate_group
+from middleware.backends.cuda.render import render_group
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
 
@@ -23,12 +26,27 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cuda-emulation-cache")
 
 
+@pytest.fixture(scope="module")
+def all_cases_library(cache_dir):
+    """Every case's kernel (emulation entry included) in one library: one g++ run instead
+    of one per case. Each kernel sits in its own namespace; the entry points are extern "C"
+    with unique names."""
+    parts = []
+    for i, (case, layout) in enumerate((c, lay) for c in sorted(CASES) for lay in LAYOUTS):
+        graph, names = CASES[case](layout)
+        group = group_from_nodes(graph, names, name=f"{case}_{layout}")
+        source = render_group(group, FAKE_GPU, emulate=True).source
+        parts.append(f"namespace case{i} {{\n{source}}}\n")
+    return build(emulation_request("all_cases", "\n".join(parts)), cache_dir)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_emulated_kernel_matches_pytorch(case, layout, cache_dir):
+def test_emulated_kernel_matches_pytorch(case, layout, all_cases_library):
     graph, names = CASES[case](layout)
-    group = group_from_nodes(graph, names, name=case)
-    kernel = emulate_group(group, FAKE_GPU, cache_dir)
+    group = group_from_nodes(graph, names, name=f"{case}_{layout}")
+    rendered = render_group(group, FAKE_GPU, emulate=True)
+    kernel = GeneratedKernel(rendered, EmulatedLauncher(all_cases_library, rendered.name))
     inputs = inputs_for(graph, seed=zlib.crc32(f"{case}/{layout}".encode()) % 1000)
     expected = graph.evaluate(*inputs)
     expected = expected if isinstance(expected, tuple) else (expected,)

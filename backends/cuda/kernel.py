@@ -105,10 +105,10 @@ def compile_cuda_group(
 
 def emulate_group(group: KernelGroup, hardware: Hardware, cache_dir: Path) -> GeneratedKernel:
     """The same kernel compiled for the CPU emulation: a callable over CPU tensors."""
-    from .emulate import EmulatedLauncher
+    from .emulate import emulated_launcher
 
     rendered = render_group(group, hardware, emulate=True)
-    return GeneratedKernel(rendered, EmulatedLauncher(rendered, cache_dir))
+    return GeneratedKernel(rendered, emulated_launcher(rendered, cache_dir))
 
 
 def _meta(r: RenderedKernel) -> dict[str, Any]:

@@ -85,7 +85,7 @@ def cuda_units(
     and run on CPU tensors, so that grouping and plan integration are tested end to end.
     """
     from .build import build_many, cubin_request, emulation_request
-    from .emulate import EmulatedLauncher
+    from .emulate import emulated_launcher
     from .kernel import GeneratedKernel
     from .loader import LoadedKernel, get_loader
     from .render import render_group
@@ -158,7 +158,7 @@ def cuda_units(
             continue
         r = rendered[gid]
         if emulate:
-            launcher = EmulatedLauncher(r, options.cache_dir)
+            launcher = emulated_launcher(r, options.cache_dir)
         else:
             launcher = LoadedKernel(result.read_bytes(), r.name, index, loader)
         kernels[gid] = GeneratedKernel(r, launcher)
