@@ -123,3 +123,12 @@ def test_render_cuda_takes_the_shared_schedule():
     schedule = schedule_mod.schedule_group(graph, names, FAKE_GPU)
     src = render_cuda(schedule, FAKE_GPU, graph)
     assert src == render_group(group_from_nodes(graph, names, schedule.name), FAKE_GPU).source
+
+
+def test_every_op_the_x86_backend_fuses_has_a_cuda_element_function():
+    """The CUDA backend renders whatever the shared loop semantics let x86 fuse (skipped
+    until middleware/loops.py is in the tree)."""
+    loops = pytest.importorskip("middleware.loops")
+    from middleware.backends.cuda.elements import supported_ops
+
+    assert set(loops.RULES) <= set(supported_ops())
