@@ -30,7 +30,13 @@ def compile_graph(graph: Graph, options: Options) -> Compiled:
     hardware = detect(options.device, options.cache_dir, options.measure_hardware)
     graph = run_passes(graph, options, hardware)
     graph = _fallbacks_on(graph, device)
-    plan = build_plan(graph, device, _units(graph, options, hardware, device))
+    if device.type == "cuda":  # io groups -> generated CUDA kernels; the rest -> cuDNN/cuBLAS
+        from .backends.cuda.units import cuda_units
+
+        units = cuda_units(graph, options, hardware, device)
+    else:
+        units = _units(graph, options, hardware, device)
+    plan = build_plan(graph, device, units)
     return Compiled(graph, plan, make_report(graph, plan))
 
 
@@ -40,10 +46,6 @@ def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.dev
     Every node runs on its own through the framework (vendor/ATen), fallback nodes call
     the original callable.
     """
-    if device.type == "cuda":  # io groups -> generated CUDA kernels; the rest -> cuDNN/cuBLAS
-        from .backends.cuda.units import cuda_units
-
-        return cuda_units(graph, options, hardware, device)
     units: list[Unit] = []
     for n in graph.nodes():
         runs_as, fn, reason = node_step(graph, n, device)
