@@ -12,8 +12,8 @@
 # 4. chain    : bench/gpu_chain.py: BN -> ReLU -> MaxPool 3x3/2 on 16x64x112x112 fp32,
 #               eager (cudnn.benchmark, NCHW/channels_last), torch.compile, middleware,
 #               and the device-to-device copy bandwidth;
-# 5. zoo      : bench/zoo.py --device cuda if it has that option, else bench/gpu_zoo.py:
-#               eleven torchvision networks at batch 16 within a time budget.
+# 5. zoo      : bench/zoo.py --device cuda if it has that option and a --budget-s, else
+#               bench/gpu_zoo.py: eleven torchvision networks at batch 16 within a budget.
 #
 # Every step has its own timeout (total at most about 8 minutes) and the script never
 # stops at a failed step. Results go to $OUT if set, else bench/results/: summary.txt,
@@ -94,9 +94,9 @@ LEFT=$((470 - ($(date +%s) - T0)))
 [ "$LEFT" -gt 200 ] && LEFT=200
 if [ "$LEFT" -lt 40 ]; then
   note "== zoo skipped: ${LEFT}s left of the 8 minutes"
-elif [ -f bench/zoo.py ] && grep -q -- "--device" bench/zoo.py; then
+elif [ -f bench/zoo.py ] && grep -q -- '"--device"' bench/zoo.py && grep -q -- '"--budget-s"' bench/zoo.py; then
   step zoo "$LEFT" "$RES/zoo.log" "$PY" bench/zoo.py --device cuda --batch 16 \
-    --out "$RES/zoo.md"
+    --budget-s $((LEFT - 20)) --out "$RES/zoo.md"
 else
   step zoo "$LEFT" "$RES/zoo.log" "$PY" bench/gpu_zoo.py --batch 16 \
     --budget-s $((LEFT - 20)) --out "$RES/zoo.json"
