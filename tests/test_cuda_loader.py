@@ -90,3 +90,41 @@ def test_cuda_bindings_errors_name_the_call(fake):
     fake.fail_launch = True
     with pytest.raises(DeviceError, match="cuLaunchKernel failed.*planted error"):
         ld.launch(fn, 1, 32, [1, 2, 3], 0)
+
+
+def test_pycuda_loader_uses_the_primary_context_and_the_default_stream(monkeypatch):
+    import sys
+
+    calls = []
+
+    class Ctx:
+        def push(self):
+            calls.append("push")
+
+    class Device:
+        def __init__(self, i):
+            calls.append(("device", i))
+
+        def retain_primary_context(self):
+            return Ctx()
+
+    class Module:
+        def get_function(self, name):
+            def fn(*args, block, grid):
+                calls.append(("launch", [int(a) for a in args], block, grid))
+
+            return fn
+
+    drv = types.ModuleType("pycuda.driver")
+    drv.init = lambda: calls.append("init")
+    drv.Device = Device
+    drv.module_from_buffer = lambda data: calls.append(("load", data[:4])) or Module()
+    pycuda = types.ModuleType("pycuda")
+    pycuda.driver = drv
+    monkeypatch.setitem(sys.modules, "pycuda", pycuda)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", drv)
+    ld = loader_mod.PyCudaLoader()
+    fn = ld.load(b"\x7fELF...", "k", 1)
+    ld.launch(fn, 5, 128, [11, 22], 0)
+    assert calls[:4] == ["init", ("device", 1), "push", ("load", b"\x7fELF")]
+    assert calls[-1] == ("launch", [11, 22], (128, 1, 1), (5, 1, 1))
