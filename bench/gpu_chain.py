@@ -7,6 +7,7 @@ interleaved round by round):
 - ``eager`` / ``eager_cl``: PyTorch eager (cudnn.benchmark=True), NCHW / channels_last;
 - ``compile`` / ``compile_cl``: ``torch.compile`` of the same module, NCHW / channels_last;
 - ``middleware``: ``middleware.optimize(model, device="cuda")`` on the NCHW input;
+- ``middleware_graph``: the same plan replayed as one CUDA graph (``GraphedPlan``);
 - ``mw_kernel`` / ``mw_kernel_cl``: the group's generated kernel called directly on the
   NCHW / channels_last graph (what the optimized module runs, without the plan's Python).
 
@@ -153,6 +154,14 @@ def main(argv: list[str] | None = None) -> int:
             fns["middleware"] = lambda: opt(x)
         except Exception as exc:  # noqa: BLE001
             info["middleware_error"] = f"{type(exc).__name__}: {exc}"[:4000]
+        try:  # the same plan replayed as one CUDA graph (opt-in runner)
+            from middleware.backends.cuda.graphs import GraphedPlan
+
+            graphed = GraphedPlan(opt.plan, (x,))
+            torch.testing.assert_close(graphed.run((x,)), model(x), rtol=1e-5, atol=1e-5)
+            fns["middleware_graph"] = lambda: graphed.run((x,))
+        except Exception as exc:  # noqa: BLE001
+            info["graph_error"] = f"{type(exc).__name__}: {exc}"[:4000]
         try:
             fns.update(_kernel_modes(model, x, cache))
         except Exception as exc:  # noqa: BLE001
@@ -180,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "best_middleware_of_copy": max(mw) if mw else None,
     }
-    for key in ("compile_error", "middleware_error", "kernel_error"):
+    for key in ("compile_error", "middleware_error", "graph_error", "kernel_error"):
         if key in info:
             print(f"{key}: {info[key]}")
     print(f"device: {info['device']}   copy bandwidth {gbs:.0f} GB/s (read+write)")

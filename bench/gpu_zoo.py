@@ -72,18 +72,20 @@ def write(rows: dict, out: Path | None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     lines = [
-        "| network | eager | eager_cl | compile | middleware | speedup vs fastest | max rel err |",
-        "|---|---|---|---|---|---|---|",
+        "| network | eager | eager_cl | compile | middleware | mw_graph | speedup vs fastest "
+        "(middleware, mw_graph) | max rel err |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for net, r in rows.items():
         ms = r.get("ms", {})
         torch_ms = [ms[k] for k in ("eager", "eager_cl", "compile") if k in ms]
-        speedup = "-"
-        if torch_ms and "middleware" in ms:
-            speedup = f"{min(torch_ms) / ms['middleware']:.2f}x"
+        speedup = ", ".join(
+            f"{min(torch_ms) / ms[k]:.2f}x" if torch_ms and k in ms else "-"
+            for k in ("middleware", "mw_graph")
+        )
         cells = [
             f"{ms[k]:.2f}" if k in ms else r.get(k + "_note", "-")
-            for k in ("eager", "eager_cl", "compile", "middleware")
+            for k in ("eager", "eager_cl", "compile", "middleware", "mw_graph")
         ]
         lines.append(f"| {net} | {' | '.join(cells)} | {speedup} | {r.get('max_rel_err', '-')} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -147,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
                     row["generated_nodes"] = sum(r.runs_as == "generated" for r in rep.rows)
                     row["nodes"] = len(rep.rows)
                     fns["middleware"] = lambda o=opt, x=x: o(x)
+                    try:  # the same plan replayed as one CUDA graph (opt-in runner)
+                        from middleware.backends.cuda.graphs import GraphedPlan
+
+                        graphed = GraphedPlan(opt.plan, (x,))
+                        fns["mw_graph"] = lambda g=graphed, x=x: g.run((x,))
+                    except Exception as exc:  # noqa: BLE001 - recorded in the table
+                        row["mw_graph_note"] = "error"
+                        row["mw_graph_error"] = f"{type(exc).__name__}: {exc}"[:1000]
                 except Exception as exc:  # noqa: BLE001 - recorded in the table
                     row["middleware_note"] = "error"
                     row["middleware_error"] = f"{type(exc).__name__}: {exc}"[:2000]

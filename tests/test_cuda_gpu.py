@@ -158,3 +158,22 @@ def test_torchvision_network_on_cuda(net, tmp_path):
     scale = expected.abs().max().item()
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * max(1.0, scale))
     assert any(r.runs_as == "generated" for r in opt.report().rows)
+
+
+def test_graphed_plan_replays_with_new_inputs(tmp_path):
+    """The plan captured as one CUDA graph gives the model's outputs for later inputs, and
+    outputs a caller keeps are not overwritten by the next replay."""
+    from middleware.backends.cuda.graphs import GraphedPlan
+
+    import middleware
+
+    model = _randomised(SmallNet()).cuda()
+    x = torch.randn(4, 3, 33, 31, device="cuda")
+    opt = middleware.optimize(model, device="cuda", example_inputs=(x,), cache_dir=tmp_path)
+    graphed = GraphedPlan(opt.plan, (x,))
+    with torch.no_grad():
+        x2, x3 = torch.randn_like(x), torch.randn_like(x)
+        y2 = graphed.run((x2,))
+        y3 = graphed.run((x3,))
+        torch.testing.assert_close(y2, model(x2), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y3, model(x3), rtol=1e-4, atol=1e-4)
