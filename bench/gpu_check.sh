@@ -87,7 +87,7 @@ step tests 150 "$RES/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider \
   -m "not slow or gpu" tests/test_cuda_gpu.py tests/test_cuda_compile.py tests/test_cuda_units.py
 
 # 4. chain
-step chain 100 "$RES/chain.log" "$PY" bench/gpu_chain.py --out "$RES/chain.json"
+step chain 120 "$RES/chain.log" "$PY" bench/gpu_chain.py --out "$RES/chain.json"
 
 # 5. zoo: what is left of 8 minutes, at most 200 s
 LEFT=$((470 - ($(date +%s) - T0)))

@@ -14,6 +14,7 @@ Usage: ``python bench/gpu_zoo.py --budget-s 240 --out $OUT/gpu_zoo.json``
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -131,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             model = make(net).eval().cuda()
             res = NETWORKS[net]
             x = torch.randn(args.batch, 3, res, res, device="cuda")
-            model_cl = make(net).eval().cuda().to(memory_format=torch.channels_last)
-            model_cl.load_state_dict(model.state_dict())
+            model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
             x_cl = x.contiguous(memory_format=torch.channels_last)
             fns = {"eager": lambda m=model, x=x: m(x), "eager_cl": lambda m=model_cl, x=x_cl: m(x)}
             with torch.inference_mode():
