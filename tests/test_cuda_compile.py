@@ -132,3 +132,19 @@ def test_every_op_the_x86_backend_fuses_has_a_cuda_element_function():
     from middleware.backends.cuda.elements import supported_ops
 
     assert set(loops.RULES) <= set(supported_ops())
+
+
+def test_stacked_windows_are_refused_past_the_recompute_limit():
+    from cuda_cases import Builder, pool_attrs
+    from middleware.backends.cuda.elements import recompute_factor, why_unsupported
+
+    b = Builder("nchw")
+    x = b.input("x", (1, 2, 9, 9))
+    for _ in range(3):  # 3x3/1 pooling thrice: the first is recomputed 9 * 9 * 9 times
+        x = b.node("max_pool2d", (x,), **pool_attrs(3, 1, 1))
+    graph, names = b.done(x)
+    group = group_from_nodes(graph, names)
+    assert recompute_factor(group) == 729
+    assert "recompute" in why_unsupported(group)
+    graph, names = CASES["bn_relu_maxpool"]("nchw")
+    assert why_unsupported(group_from_nodes(graph, names)) == ""

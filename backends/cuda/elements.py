@@ -434,6 +434,40 @@ def supported_ops() -> tuple[str, ...]:
     return tuple(sorted(EMITTERS))
 
 
+# A thread recomputes the producers of a window for every tap; stacked overlapping windows
+# multiply that work (3x3/1 pooling of 3x3/1 pooling recomputes the first 81 times). Past
+# this factor a group is left to the framework rather than rendered.
+MAX_RECOMPUTE = 64.0
+
+
+def _overlap(n: Node, group: KernelGroup) -> float:
+    """How many output elements of ``n`` read each input element (1 for pointwise ops)."""
+    if n.op in ("max_pool2d", "maxpool_relu", "avg_pool2d") or (
+        n.op == "conv2d" and group.types[n.inputs[0]].rank == 4
+    ):
+        if n.op == "conv2d":
+            kh, kw = group.types[n.inputs[1]].shape[2:]
+            stride = n.attrs.get("stride", 1)
+        else:
+            kh, kw = _pair(n.attrs.get("kernel_size", 1))
+            stride = n.attrs.get("stride") or n.attrs.get("kernel_size", 1)
+        sh, sw = _pair(stride)
+        return max(1.0, kh / sh) * max(1.0, kw / sw)
+    if n.op in ("softmax", "log_softmax"):
+        return 3.0
+    return 1.0
+
+
+def recompute_factor(group: KernelGroup) -> float:
+    """The most times any element of the group is computed, relative to once."""
+    factor = {v: 1.0 for v in group.inputs}
+    for n in group.nodes:
+        reads = max((factor.get(v, 1.0) for v in n.inputs), default=1.0)
+        for v in n.outputs:
+            factor[v] = reads * _overlap(n, group)
+    return max(factor.values(), default=1.0)
+
+
 def why_unsupported(group: KernelGroup) -> str:
     """ "" when every node of ``group`` can be rendered, else the reason it cannot."""
     for n in group.nodes:
@@ -447,6 +481,9 @@ def why_unsupported(group: KernelGroup) -> str:
     for v, t in group.types.items():
         if t.dtype != "float32":
             return f"value {v} is {t.dtype}; generated CUDA kernels are float32 only"
+    factor = recompute_factor(group)
+    if factor > MAX_RECOMPUTE:
+        return f"stacked windows would recompute elements {factor:.0f} times (limit {MAX_RECOMPUTE:.0f})"
     return ""
 
 
