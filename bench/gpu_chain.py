@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fns: dict = {}
     info: dict = {"device": torch.cuda.get_device_name(), "shape": [n, c, h, w]}
-    with torch.inference_mode():
+    with torch.no_grad():
         fns["eager"] = lambda: model(x)
         fns["eager_cl"] = lambda: model_cl(x_cl)
         if not args.no_compile:

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
             x_cl = x.contiguous(memory_format=torch.channels_last)
             fns = {"eager": lambda m=model, x=x: m(x), "eager_cl": lambda m=model_cl, x=x_cl: m(x)}
-            with torch.inference_mode():
+            with torch.no_grad():
                 try:
                     t0 = time.perf_counter()
                     opt = middleware.optimize(
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         model, x, fns = models[net]
         try:
-            with torch.inference_mode():
+            with torch.no_grad():
                 t0 = time.perf_counter()
                 compiled = torch.compile(model)
                 compiled(x)
