@@ -80,7 +80,7 @@ def _kernel_modes(model: nn.Module, x: torch.Tensor, cache: Path) -> dict:
     hw = detect_cuda(None, measure=False)
     out = {}
     for layout in ("nchw", "nhwc"):
-        graph = middleware.trace(model, x.cpu())
+        graph = middleware.trace(model, x)
         if layout == "nhwc":
             for v, t in list(graph.values.items()):
                 if t.rank == 4:
@@ -88,7 +88,7 @@ def _kernel_modes(model: nn.Module, x: torch.Tensor, cache: Path) -> dict:
         names = [n.name for n in graph.nodes()]
         group = group_from_nodes(graph, names, name=f"chain_{layout}")
         kernel = compile_cuda_group(group, hw, cache, torch.cuda.current_device())
-        env = {p: torch.from_numpy(a).cuda() for p, a in graph.params.items()}
+        env = {p: torch.from_numpy(a).to(x.device) for p, a in graph.params.items()}
         xin = x.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else x
         args = [xin if v == graph.inputs[0] else env[v] for v in group.inputs]
         y = kernel(*args)
