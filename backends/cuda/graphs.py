@@ -45,11 +45,14 @@ class GraphedPlan:
         with torch.no_grad(), torch.cuda.graph(self.graph):
             self.static_outputs = plan.run(self.static_inputs)
 
-    def run(self, inputs: Sequence[torch.Tensor]) -> Any:
+    def run(self, inputs: Sequence[torch.Tensor], clone: bool = True) -> Any:
+        """The plan's outputs for ``inputs``. Inputs that are the captured input buffers
+        themselves (``static_inputs``) are not copied; ``clone=False`` returns the captured
+        output buffers, which the next replay overwrites."""
         for dst, src in zip(self.static_inputs, inputs, strict=True):
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
         self.graph.replay()
-        return _clone_tree(self.static_outputs)
+        return _clone_tree(self.static_outputs) if clone else self.static_outputs
 
     __call__ = run
