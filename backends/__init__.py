@@ -19,3 +19,30 @@ def describe_available() -> list[str]:
     if torch.cuda.is_available():
         out.append("cuda (CUDA C; vendor: cuDNN/cuBLAS via PyTorch)")
     return out
+
+
+def _x86() -> object:
+    from .x86.backend import X86Backend
+
+    return X86Backend()
+
+
+def _ispc() -> object:
+    from .x86.backend import IspcBackend
+
+    return IspcBackend()
+
+
+# Fusion backends by name: each entry makes the backend object (imported when asked for).
+BACKENDS = {"x86": _x86, "ispc": _ispc}
+
+
+def get_backend(name: str) -> object:
+    """The fusion backend called ``name``; an unknown name fails listing what exists."""
+    try:
+        make = BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown backend {name!r}; backends are: {', '.join(sorted(BACKENDS))}"
+        ) from None
+    return make()

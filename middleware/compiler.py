@@ -43,12 +43,27 @@ def compile_graph(graph: Graph, options: Options) -> Compiled:
 def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.device) -> list[Unit]:
     """Decide how each part of the graph runs, in execution order.
 
-    Every node runs on its own through the framework (vendor/ATen), fallback nodes call
-    the original callable.
+    I/O-bound groups run as generated depth-first kernels (``fusion_units``) when
+    ``options.fuse`` is on; every other node runs on its own through the framework
+    (vendor/ATen), fallback nodes call the original callable.
     """
+    fused: dict[str, Unit] = {}
+    failed: dict[str, str] = {}
+    if options.fuse and device.type == "cpu":
+        from .backends.x86.units import fusion_units
+
+        fused, failed = fusion_units(graph, options, hardware)
+    covered = {name for u in fused.values() for name in u.nodes}
     units: list[Unit] = []
     for n in graph.nodes():
+        if n.name in fused:
+            units.append(fused[n.name])
+            continue
+        if n.name in covered:
+            continue
         runs_as, fn, reason = node_step(graph, n, device)
+        if n.name in failed:
+            runs_as, reason = "fallback", failed[n.name]
         units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
     return units
 
@@ -85,7 +100,7 @@ def make_report(graph: Graph, plan) -> Report:  # noqa: ANN001 - Plan, avoiding 
                 runs_as=st.runs_as if st else "vendor",
                 reason=(st.reason if st else "") or str(n.attrs.get("reason", ""))
                 if n.op == "fallback"
-                else (st.reason if st and st.runs_as == "fallback" else ""),
+                else (st.reason if st else ""),
                 source=n.source,
                 flops=flops,
                 bytes=nbytes,

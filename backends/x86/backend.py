@@ -1,0 +1,210 @@
+"""The x86 fusion backend: ordered stages schedule -> render -> compile -> load.
+
+``X86Backend().build(graph, nodes, options, hardware)`` returns a :class:`GeneratedKernel`
+whose ``fn(*inputs)`` allocates the output (``torch.empty`` on the inputs' device, in the
+output value's layout) and whose ``out_fn(*inputs, *outputs)`` writes into given tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...graph import Graph
+from ...hardware import Hardware
+from ...loops import NotFusable
+from ...options import Options
+from ...passes.schedule import Schedule, schedule_group
+from .cfuncs import UNSUPPORTED_ISPC
+from .compile import Built, build_c, build_ispc
+from .render import render_c, render_ispc
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratedKernel:
+    """A loaded kernel for one group: value names in argument order and the two call forms."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    fn: Callable[..., Any]
+    out_fn: Callable[..., None]
+    source_path: Path
+    schedule: Schedule
+    compiled: bool
+
+
+_LIBS: dict[Path, ctypes.CDLL] = {}
+
+
+def _memory_format(layout: str, rank: int) -> torch.memory_format:
+    if rank == 4 and layout == "nhwc":
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def make_callables(
+    cfunc: Any, schedule: Schedule, graph: Graph
+) -> tuple[Callable[..., Any], Callable[..., None]]:
+    """The two Python call forms over a ctypes function, with the per-call work kept to
+    data_ptr() ints (inputs in another memory order are made contiguous first)."""
+    in_formats = []
+    for name in schedule.inputs:
+        b = schedule.buffer(name)
+        in_formats.append(_memory_format(b.layout, len(b.torch_shape)))
+    (out_name,) = schedule.outputs
+    ob = schedule.buffer(out_name)
+    out_shape = tuple(ob.torch_shape)
+    out_format = _memory_format(ob.layout, len(out_shape))
+    nin = len(in_formats)
+
+    def prepare(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        ys = list(xs)
+        for i, (x, mf) in enumerate(zip(ys, in_formats, strict=True)):
+            if not x.is_contiguous(memory_format=mf):
+                ys[i] = x.contiguous(memory_format=mf)
+        return ys
+
+    def out_fn(*args: torch.Tensor) -> None:
+        xs = prepare(args[:nin])
+        out = args[nin]
+        if not out.is_contiguous(memory_format=out_format):
+            raise ValueError(f"{schedule.name}: output tensor is not in {ob.layout} order")
+        cfunc(*[x.data_ptr() for x in xs], out.data_ptr())
+
+    def fn(*xs: torch.Tensor) -> torch.Tensor:
+        if len(xs) != nin:
+            raise TypeError(f"{schedule.name} takes {nin} inputs, got {len(xs)}")
+        xs = prepare(xs)  # type: ignore[assignment]
+        out = torch.empty(out_shape, device=xs[0].device, memory_format=out_format)
+        cfunc(*[x.data_ptr() for x in xs], out.data_ptr())
+        return out
+
+    return fn, out_fn
+
+
+class X86Backend:
+    """OpenMP C through the system C compiler."""
+
+    name = "x86"
+    stages = ("schedule", "render", "compile", "load")
+
+    def can_run(self, graph: Graph, nodes: Sequence[str], hardware: Hardware) -> tuple[bool, str]:
+        """Whether a group can be generated, and if not, why."""
+        for n in nodes:
+            if graph.values[graph.node(n).outputs[0]].dtype != "float32":
+                return False, f"{n}: only float32 is generated"
+        try:
+            self.schedule(graph, nodes, hardware)
+        except NotFusable as e:
+            return False, str(e)
+        return True, ""
+
+    def schedule(self, graph: Graph, nodes: Sequence[str], hardware: Hardware) -> Schedule:
+        return schedule_group(graph, nodes, hardware)
+
+    def render(self, schedule: Schedule) -> str:
+        return render_c(schedule)
+
+    def compile(
+        self, schedule: Schedule, source: str, options: Options, hardware: Hardware
+    ) -> Built:
+        meta = {
+            "group": schedule.name,
+            "layers": list(schedule.layers),
+            "ops": list(schedule.ops),
+            "shapes": {
+                b.value: list(b.torch_shape) for b in schedule.buffers if b.role != "scratch"
+            },
+        }
+        return build_c(
+            schedule.name,
+            source,
+            Path(options.cache_dir),
+            key_extra=(options.codegen_key(), hardware.key()),
+            meta=meta,
+        )
+
+    def load(self, schedule: Schedule, built: Built, graph: Graph) -> GeneratedKernel:
+        lib = _LIBS.get(built.binary)
+        if lib is None:
+            lib = ctypes.CDLL(str(built.binary))
+            _LIBS[built.binary] = lib
+        cfunc = getattr(lib, schedule.name)
+        cfunc.restype = None
+        cfunc.argtypes = [ctypes.c_void_p] * (len(schedule.inputs) + len(schedule.outputs))
+        fn, out_fn = make_callables(cfunc, schedule, graph)
+        return GeneratedKernel(
+            schedule.name,
+            tuple(schedule.buffer(n).value for n in schedule.inputs),
+            tuple(schedule.buffer(n).value for n in schedule.outputs),
+            fn,
+            out_fn,
+            built.source_path,
+            schedule,
+            built.compiled,
+        )
+
+    def build(
+        self, graph: Graph, nodes: Sequence[str], options: Options, hardware: Hardware
+    ) -> GeneratedKernel:
+        """All stages in order; raises NotFusable or CompileError."""
+        schedule = self.schedule(graph, nodes, hardware)
+        source = self.render(schedule)
+        built = self.compile(schedule, source, options, hardware)
+        return self.load(schedule, built, graph)
+
+
+class IspcBackend(X86Backend):
+    """ISPC per-tile kernels (``foreach`` over the contiguous dim) with OpenMP C glue over
+    the tiles; available when a real ``ispc`` binary is on PATH."""
+
+    name = "ispc"
+
+    def can_run(self, graph: Graph, nodes: Sequence[str], hardware: Hardware) -> tuple[bool, str]:
+        if shutil.which("ispc") is None:
+            return False, "no ispc binary on PATH"
+        ok, why = super().can_run(graph, nodes, hardware)
+        if not ok:
+            return ok, why
+        try:
+            self.render(self.schedule(graph, nodes, hardware))
+        except ValueError as e:
+            return False, str(e)
+        return True, ""
+
+    def render(self, schedule: Schedule) -> tuple[str, str]:  # type: ignore[override]
+        used = {
+            x.fn
+            for st in schedule.stages
+            for e in (st.expr, *([st.reduction.body] if st.reduction else []))
+            for x in _calls(e)
+        }
+        missing = sorted(used & set(UNSUPPORTED_ISPC))
+        if missing:
+            raise ValueError(f"ISPC has no {', '.join(missing)}")
+        return render_ispc(schedule)
+
+    def compile(self, schedule: Schedule, source, options: Options, hardware: Hardware) -> Built:  # type: ignore[override]  # noqa: ANN001
+        ispc_source, glue = source
+        return build_ispc(
+            schedule.name,
+            ispc_source,
+            glue,
+            Path(options.cache_dir),
+            key_extra=(options.codegen_key(), hardware.key()),
+        )
+
+
+def _calls(expr: Any) -> list[Any]:
+    from ...loops import Call
+
+    if isinstance(expr, Call):
+        return [expr] + [c for a in expr.args for c in _calls(a)]
+    return []

@@ -1,0 +1,67 @@
+"""The x86 backend's one table from scalar function (``middleware.loops.FUNCTIONS``) to its
+C spelling, and the C text of expressions, constants and addresses."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ...loops import Acc, Call, Const, Expr, Load, ParamVec
+
+C_FUNCS: dict[str, str] = {
+    "add": "({0} + {1})",
+    "sub": "({0} - {1})",
+    "mul": "({0} * {1})",
+    "div": "({0} / {1})",
+    "max": "mw_max({0}, {1})",
+    "min": "mw_min({0}, {1})",
+    "neg": "(-{0})",
+    "exp": "expf({0})",
+    "tanh": "tanhf({0})",
+    "erf": "erff({0})",
+    "sigmoid": "mw_sigmoid({0})",
+    "gt": "({0} > {1})",
+    "select": "({0} ? {1} : {2})",
+}
+
+
+# ISPC spells a few functions differently (its stdlib has no tanh/erf: tanh through exp,
+# erf unsupported, see UNSUPPORTED_ISPC).
+ISPC_FUNCS: dict[str, str] = {
+    **C_FUNCS,
+    "max": "max({0}, {1})",
+    "min": "min({0}, {1})",
+    "exp": "exp({0})",
+    "tanh": "mw_tanh({0})",
+}
+UNSUPPORTED_ISPC = ("erf",)
+
+
+def c_float(v: float) -> str:
+    """A float literal (``-INFINITY``/``INFINITY`` for infinities)."""
+    if math.isinf(v):
+        return "INFINITY" if v > 0 else "-INFINITY"
+    if math.isnan(v):
+        return "NAN"
+    return f"{float(v)!r}f" if "e" not in repr(float(v)) else f"{float(v):.9e}f"
+
+
+def c_expr(
+    expr: Expr,
+    load: Callable[[Load], str],
+    acc: str = "acc_v",
+    table: dict[str, str] = C_FUNCS,
+) -> str:
+    """C text of ``expr``; ``load`` renders a :class:`Load` (the address arithmetic);
+    ``table`` spells the functions (``C_FUNCS`` or ``ISPC_FUNCS``)."""
+    if isinstance(expr, Const):
+        return c_float(expr.value)
+    if isinstance(expr, Load):
+        return load(expr)
+    if isinstance(expr, ParamVec):
+        return f"{expr.name}[{expr.index}]"
+    if isinstance(expr, Acc):
+        return acc
+    if isinstance(expr, Call):
+        return table[expr.fn].format(*(c_expr(a, load, acc, table) for a in expr.args))
+    raise TypeError(f"not an expression: {expr!r}")

@@ -1,0 +1,221 @@
+"""Render a :class:`~middleware.passes.schedule.Schedule` to OpenMP C.
+
+The structure lives in ``templates/group.c.j2`` (rendered with ``StrictUndefined``); the
+index arithmetic and expression text come from the small helpers below.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import jinja2
+
+from ...isl_helpers import affine_c
+from ...loops import DIMS, Load, ParamVec
+from ...passes.schedule import Buffer, Loop, Schedule, Stage
+from .cfuncs import C_FUNCS, ISPC_FUNCS, c_expr, c_float
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+@functools.cache
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=False,
+        lstrip_blocks=False,
+    )
+
+
+_SIMPLE = re.compile(r"^\(?([A-Za-z_][A-Za-z_0-9]*|-?\d+)\)?$")
+
+
+def _tidy(text: str) -> str:
+    m = _SIMPLE.match(text.strip())
+    return m.group(1) if m else f"({text})"
+
+
+def address(buf: Buffer, index: tuple[str, ...]) -> str:
+    """Element offset of ``index`` (logical n, c, h, w text) in ``buf``."""
+    terms = []
+    strides = buf.strides
+    for d in range(4):
+        if buf.extent[d] == 1:
+            continue
+        ix = _tidy(affine_c(index[d]))
+        if buf.role == "scratch":
+            ix = f"({ix} - {buf.name}_o{DIMS[d]})"
+        terms.append(ix if strides[d] == 1 else f"{ix} * {strides[d]}")
+    return " + ".join(terms) or "0"
+
+
+class _Ctx:
+    def __init__(self, s: Schedule, table: dict[str, str] = C_FUNCS) -> None:
+        self.s = s
+        self.table = table
+        self.by_value = {b.value: b for b in s.buffers}
+
+    def load(self, x: Load) -> str:
+        b = self.by_value[x.value]
+        return f"{b.name}[{address(b, x.index)}]"
+
+    def store(self, st: Stage) -> str:
+        b = self.s.buffer(st.target)
+        return f"{b.name}[{address(b, DIMS)}] = {c_expr(st.expr, self.load, table=self.table)}"
+
+    def accumulate(self, st: Stage) -> str:
+        red = st.reduction
+        assert red is not None
+        a = f"acc[{red.inner.var} - acc0]"
+        body = c_expr(red.body, self.load, table=self.table)
+        if red.op == "max":
+            return self.table["max"].format(a, body)
+        return f"{a} + {body}"
+
+    def acc_value(self, st: Stage) -> str:
+        red = st.reduction
+        assert red is not None
+        a = f"acc[{st.inner.var} - acc0]"
+        if red.divisor:
+            return f"{a} / (float)({red.divisor})"
+        return a
+
+
+def open_loops(loops: tuple[Loop, ...], depth: int, int_type: str = "int") -> str:
+    """One ``for`` line per loop (``int_type``: "uniform int" in ISPC), indented."""
+    lines = []
+    for i, lp in enumerate(loops):
+        pad = "  " * (depth + i)
+        lo, hi = _tidy(lp.lo), _tidy(lp.hi)
+        lines.append(f"{pad}for ({int_type} {lp.var} = {lo}; {lp.var} <= {hi}; ++{lp.var}) {{")
+    return "\n".join(lines)
+
+
+def close_loops(loops: tuple[Loop, ...], depth: int) -> str:
+    return "\n".join("  " * (depth + i) + "}" for i in reversed(range(len(loops))))
+
+
+def param_text(p: ParamVec, per_line: int = 6) -> str:
+    vals = [c_float(v) for v in p.data]
+    rows = [", ".join(vals[i : i + per_line]) for i in range(0, len(vals), per_line)]
+    return ",\n".join("  " + r for r in rows)
+
+
+def signature(s: Schedule) -> str:
+    args = [f"const float *restrict {n}" for n in s.inputs]
+    args += [f"float *restrict {n}" for n in s.outputs]
+    return ", ".join(args)
+
+
+def _common(s: Schedule, ctx: _Ctx) -> dict:
+    t = s.tiling
+    tile_loops = [
+        {"var": p, "extent": e, "step": z}
+        for p, e, z in zip(t.params, t.extents, t.sizes, strict=True)
+        if p
+    ]
+    scratch = [b for b in s.buffers if b.role == "scratch"]
+    return dict(
+        s=s,
+        out=s.buffer(s.outputs[0]),
+        dims=DIMS,
+        scratch=scratch,
+        tile_loops=tile_loops,
+        tile_text=" x ".join(f"{DIMS[d]}:{t.sizes[d]}" for d in range(4)),
+        simd_dim="c" if s.layout == "nhwc" else "w",
+        open_loops=open_loops,
+        close_loops=close_loops,
+        param_text=param_text,
+        extent_text=extent_text,
+        c_float=c_float if ctx.table is C_FUNCS else ispc_float,
+        tidy=_tidy,
+        store=ctx.store,
+        accumulate=ctx.accumulate,
+        acc_value=ctx.acc_value,
+    )
+
+
+def render_ispc(s: Schedule) -> tuple[str, str]:
+    """(ISPC source of the per-tile function ``<name>_tile``, C glue ``<name>`` running
+    the tiles with OpenMP). Raises ValueError for functions ISPC lacks (erf)."""
+    ctx = _Ctx(s, ISPC_FUNCS)
+    env = _common(s, ctx)
+    scratch = env["scratch"]
+    tparams = [p for p in s.tiling.params if p]
+    ispc_args = [f"const uniform float {n}[]" for n in s.inputs]
+    ispc_args += [f"uniform float {n}[]" for n in s.outputs]
+    ispc_args += [f"uniform float {b.name}[]" for b in scratch] + ["uniform float acc[]"]
+    ispc_args += [f"uniform int {p}" for p in tparams]
+    tile_c = [f"const float *{n}" for n in s.inputs] + [f"float *{n}" for n in s.outputs]
+    tile_c += [f"float *{b.name}" for b in scratch] + ["float *acc"] + [f"int {p}" for p in tparams]
+    args = list(s.inputs) + list(s.outputs) + [b.name for b in scratch] + ["acc"] + tparams
+    ispc = environment().get_template("group.ispc.j2").render(signature=", ".join(ispc_args), **env)
+    glue = (
+        environment()
+        .get_template("group_glue.c.j2")
+        .render(
+            c_signature=signature(s),
+            c_tile_signature=", ".join(tile_c),
+            tile_args=", ".join(args),
+            **env,
+        )
+    )
+    return ispc, glue
+
+
+def render_c(s: Schedule) -> str:
+    """The C source of ``s`` (one exported function named ``s.name``)."""
+    ctx = _Ctx(s)
+    t = s.tiling
+    tile_loops = [
+        {"var": p, "extent": e, "step": z}
+        for p, e, z in zip(t.params, t.extents, t.sizes, strict=True)
+        if p
+    ]
+    scratch = [b for b in s.buffers if b.role == "scratch"]
+    out = s.buffer(s.outputs[0])
+    tile_text = " x ".join(f"{DIMS[d]}:{t.sizes[d]}" for d in range(4))
+    scratch_text = (
+        ", ".join(f"{b.name} {extent_text(b)}" for b in scratch) or "none"
+    ) + f" ({t.scratch_bytes} bytes)"
+    return (
+        environment()
+        .get_template("group.c.j2")
+        .render(
+            s=s,
+            out=out,
+            dims=DIMS,
+            scratch=scratch,
+            tile_loops=tile_loops,
+            tile_text=tile_text,
+            scratch_text=scratch_text,
+            simd_dim="c" if s.layout == "nhwc" else "w",
+            signature=signature(s),
+            open_loops=open_loops,
+            close_loops=close_loops,
+            param_text=param_text,
+            extent_text=extent_text,
+            c_float=c_float,
+            tidy=_tidy,
+            store=ctx.store,
+            accumulate=ctx.accumulate,
+            acc_value=ctx.acc_value,
+        )
+    )
+
+
+def ispc_float(v: float) -> str:
+    """A float literal in ISPC (no INFINITY macro: the bit pattern)."""
+    if v == float("inf"):
+        return "floatbits(0x7f800000)"
+    if v == float("-inf"):
+        return "floatbits(0xff800000)"
+    return c_float(v)
+
+
+def extent_text(b: Buffer) -> str:
+    return "x".join(str(e) for e in b.extent) + f" {b.layout}"

@@ -1,0 +1,153 @@
+"""Turn the graph's I/O-bound groups into generated-kernel units for the plan.
+
+``fusion_units(graph, options, hardware)`` asks the x86 backend for a kernel per group whose
+nodes are all bound "io" (``node.group``/``node.bound`` from the passes). A graph without
+groups (the passes have not run) gets groups of consecutive io nodes that read each
+other. A group the backend cannot run as a whole is tried as its maximal runs of nodes
+that have loop semantics. A compile failure warns (naming the group and the source path)
+and its nodes run through the framework with the compiler's message as the reason;
+``options.strict`` raises the :class:`~middleware.errors.CompileError` instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+from ...errors import CompileError
+from ...graph import Graph
+from ...hardware import Hardware
+from ...loops import RULES, VIEWS, NotFusable
+from ...ops import get_op
+from ...options import Options
+from ...runtime.plan import Unit
+from .backend import X86Backend
+
+
+def io_groups(graph: Graph) -> list[list[str]]:
+    """Groups of io nodes in topological order: the passes' groups when they set any,
+    else chains of consecutive io nodes each reading the previous one's output."""
+    nodes = list(graph.nodes())
+    if any(n.group is not None for n in nodes):
+        groups: dict[int, list[str]] = {}
+        bad: set[int] = set()
+        for n in nodes:
+            if n.group is None:
+                continue
+            groups.setdefault(n.group, []).append(n.name)
+            if n.bound != "io":
+                bad.add(n.group)
+        return [names for gid, names in groups.items() if gid not in bad]
+    out: list[list[str]] = []
+    run: list[str] = []
+    for n in nodes:
+        io = str(get_op(n.op).bound) == "io" and n.op in RULES and len(n.outputs) == 1
+        if io and run and graph.node(run[-1]).outputs[0] in n.inputs:
+            run.append(n.name)
+            continue
+        if run:
+            out.append(run)
+        run = [n.name] if io else []
+    if run:
+        out.append(run)
+    return out
+
+
+def _runs(graph: Graph, names: Sequence[str]) -> list[list[str]]:
+    """Maximal runs of consecutive nodes that have loop semantics."""
+    runs, cur = [], []
+    for n in names:
+        if graph.node(n).op in RULES:
+            cur.append(n)
+        else:
+            if cur:
+                runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return runs
+
+
+def _split_at_escapes(graph: Graph, group: Sequence[str], names: Sequence[str]) -> list[list[str]]:
+    """``names`` cut after every node whose output is read outside ``group`` (so that a
+    group with several outputs becomes pieces with one output each, where it can)."""
+    inside = set(group)
+    outs = set(graph.output_values())
+    pieces, cur = [], []
+    for n in names:
+        cur.append(n)
+        v = graph.node(n).outputs[0]
+        if v in outs or any(c.name not in inside for c in graph.consumers(v)):
+            pieces.append(cur)
+            cur = []
+    if cur:
+        pieces.append(cur)
+    return pieces
+
+
+def _worth_it(graph: Graph, names: Sequence[str]) -> bool:
+    """A group of views only is left to the framework (a view costs nothing there)."""
+    return any(graph.node(n).op not in VIEWS for n in names)
+
+
+def fusion_units(
+    graph: Graph, options: Options, hardware: Hardware
+) -> tuple[dict[str, Unit], dict[str, str]]:
+    """(generated units keyed by the node whose position they take in the plan, fallback
+    reasons keyed by node name for groups whose compile failed)."""
+    backend = X86Backend()
+    units: dict[str, Unit] = {}
+    failed: dict[str, str] = {}
+    for group in io_groups(graph):
+        candidates = [group]
+        ok, why = backend.can_run(graph, group, hardware)
+        if not ok:
+            candidates = []
+            for run in _runs(graph, group):
+                pieces = _split_at_escapes(graph, group, run)
+                candidates += [p for p in pieces if p != group]
+        for names in candidates:
+            if not _worth_it(graph, names):
+                continue
+            try:
+                kernel = backend.build(graph, names, options, hardware)
+            except NotFusable:
+                continue
+            except CompileError as e:
+                if options.strict:
+                    raise
+                gid = graph.node(names[0]).group
+                warnings.warn(
+                    f"group {gid} ({', '.join(names)}) runs through the framework: its "
+                    f"generated kernel failed to compile; source: {e.source_path}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                msg = (e.stderr or str(e)).strip().splitlines()
+                reason = "compile failed: " + " | ".join(msg[:3])
+                for n in names:
+                    failed[n] = reason
+                continue
+            except Exception as e:  # noqa: BLE001 - a generator bug must not break optimize()
+                if options.strict:
+                    raise
+                warnings.warn(
+                    f"group ({', '.join(names)}) runs through the framework: generating it "
+                    f"failed with {type(e).__name__}: {e}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue
+            producer = graph.producer(kernel.outputs[0])
+            assert producer is not None
+            units[producer.name] = Unit(
+                kernel.name,
+                "generated",
+                kernel.fn,
+                kernel.inputs,
+                kernel.outputs,
+                tuple(names),
+                "",
+                kernel.out_fn,
+            )
+    return units, failed

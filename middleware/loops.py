@@ -1,0 +1,560 @@
+"""Loop semantics of the I/O-bound ops, keyed by the op names of ``middleware.ops``.
+
+The op catalogue stays the one place an op is described (shape rule, reference, bound);
+this module adds what depth-first code generation needs to know about an io op:
+
+* its iteration domain: the output value's elements, always seen as a logical 4-d index
+  ``(n, c, h, w)`` (rank-2 values ``(N, C)`` are ``(N, C, 1, 1)``);
+* which input elements each output element reads: a :class:`Load` per operand whose index
+  is affine in the output coordinates ``n, c, h, w`` and the window variables ``k_h, k_w``
+  (the schedule turns them into isl access relations);
+* the scalar computation: a small backend-neutral expression tree (:class:`Expr`) over a
+  closed vocabulary of functions (``FUNCTIONS``) that each backend spells in its own
+  table, plus, for window ops, a reduction (``max`` or ``sum``) and an epilogue.
+
+Nothing here knows about C, CUDA, tiles or threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .graph import Graph, Node, TensorType
+from .ops import window_out_size
+
+DIMS = ("n", "c", "h", "w")
+# The closed vocabulary of scalar functions (arity) used by expressions; a backend maps
+# each one to its own spelling (backends/x86/cfuncs.py).
+FUNCTIONS: dict[str, int] = {
+    "add": 2,
+    "sub": 2,
+    "mul": 2,
+    "div": 2,
+    "max": 2,
+    "min": 2,
+    "neg": 1,
+    "exp": 1,
+    "tanh": 1,
+    "erf": 1,
+    "sigmoid": 1,
+    "gt": 2,  # 1 if a > b else 0 (a condition)
+    "select": 3,  # cond ? a : b
+}
+
+
+class NotFusable(Exception):
+    """This node (or group) has no loop semantics the generator can use; says why."""
+
+
+# ------------------------------------------------------------------- expressions
+@dataclasses.dataclass(frozen=True)
+class Const:
+    value: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """One element of value ``value`` at a 4-d index of affine expressions in the output
+    coordinates ``n, c, h, w`` and window variables ``k_h, k_w`` (isl/C syntax: ``2*h+k_h-1``)."""
+
+    value: str
+    index: tuple[str, str, str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamVec:
+    """Element ``index`` of a constant vector the generator computes from graph parameters
+    (e.g. the per-channel scale of an inference batch-norm). ``data`` is float32."""
+
+    name: str
+    data: tuple[float, ...] = dataclasses.field(repr=False)
+    index: str = "c"
+
+    def array(self) -> np.ndarray:
+        return np.asarray(self.data, dtype=np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Acc:
+    """The accumulator of the enclosing window reduction (in an epilogue)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    fn: str
+    args: tuple[Expr, ...]
+
+    def __post_init__(self) -> None:
+        if FUNCTIONS.get(self.fn) != len(self.args):
+            raise ValueError(f"{self.fn} takes {FUNCTIONS.get(self.fn)} arguments")
+
+
+Expr = Const | Load | ParamVec | Acc | Call
+
+
+def call(fn: str, *args: Expr) -> Call:
+    return Call(fn, tuple(args))
+
+
+def substitute(expr: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:
+    """Rebuild ``expr`` bottom-up, replacing each leaf ``x`` by ``fn(x)`` when not None."""
+    if isinstance(expr, Call):
+        return Call(expr.fn, tuple(substitute(a, fn) for a in expr.args))
+    r = fn(expr)
+    return expr if r is None else r
+
+
+def leaves(expr: Expr) -> list[Expr]:
+    if isinstance(expr, Call):
+        return [x for a in expr.args for x in leaves(a)]
+    return [expr]
+
+
+# ----------------------------------------------------------------------- records
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """One reduction axis along output dim ``dim`` (2: h, 3: w) with variable ``k_<dim>``.
+
+    The input index read is ``scale*o + step*k + offset``; ``constraint`` (isl syntax over
+    ``o`` and ``k``) bounds ``k`` beyond the input's extent (which the schedule adds).
+    ``padded_lo``/``padded_hi`` are the padded input extent for divisor counting.
+    """
+
+    dim: int
+    scale: int
+    step: int
+    offset: int
+    constraint: str
+    padded_lo: int = 0
+    padded_hi: int = 0
+
+    @property
+    def var(self) -> str:
+        return "k_" + DIMS[self.dim]
+
+    def input_index(self) -> str:
+        o = DIMS[self.dim]
+        terms = []
+        if self.scale:
+            terms.append(f"{self.scale}*{o}")
+        terms.append(f"{self.step}*{self.var}")
+        if self.offset:
+            terms.append(str(self.offset))
+        return " + ".join(terms)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpLoops:
+    """The loop semantics of one node.
+
+    ``kind`` "pointwise": ``expr`` is the output element (its loads index the output point,
+    broadcast). ``kind`` "reduce": ``body`` is reduced with ``reduce`` ("max"|"sum") over
+    ``windows``, starting from ``init``; ``expr`` (with :class:`Acc`) is the stored value;
+    ``divisor`` names an averaging rule ("" | "include_pad" | "valid" | "const:<d>").
+    ``kind`` "cat": ``slices`` say which channels of the output each input fills.
+
+    Index text uses isl syntax (``floor(c/2)``, ``c mod 2`` for channel shuffles); a
+    renderer turns it into its own (``middleware.isl_helpers.affine_c``).
+    """
+
+    kind: str
+    expr: Expr
+    body: Expr | None = None
+    reduce: str = ""
+    init: float = 0.0
+    windows: tuple[Window, ...] = ()
+    divisor: str = ""
+    # kind "cat": (input value, first channel, channels) per input; each input is computed
+    # straight into its slice of the output (no copy of a materialised input).
+    slices: tuple[tuple[str, int, int], ...] = ()
+
+
+def logical4(t: TensorType, rank: int | None = None) -> tuple[int, int, int, int]:
+    """A value's shape in the logical ``(n, c, h, w)`` space of a rank-``rank`` result:
+    left-padded with 1s to ``rank`` (broadcasting), then right-padded to 4 dims."""
+    shape = tuple(t.shape)
+    rank = len(shape) if rank is None else rank
+    if len(shape) > 4 or rank > 4 or rank < 1:
+        raise NotFusable(f"rank {len(shape)} value in a rank {rank} context")
+    shape = (1,) * (rank - len(shape)) + shape
+    if rank in (3,):
+        shape = (1,) + shape  # (C,H,W) -> (1,C,H,W)
+    else:
+        shape = shape + (1,) * (4 - rank)
+    return shape  # type: ignore[return-value]
+
+
+def broadcast_load(value: str, shape4: Sequence[int], out4: Sequence[int]) -> Load:
+    idx = []
+    for d, (s, o) in enumerate(zip(shape4, out4, strict=True)):
+        if s == o:
+            idx.append(DIMS[d])
+        elif s == 1:
+            idx.append("0")
+        else:
+            raise NotFusable(f"cannot broadcast {tuple(shape4)} to {tuple(out4)}")
+    return Load(value, tuple(idx))  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------- pointwise functions
+def _relu(x: Expr) -> Expr:
+    return call("max", x, Const(0.0))
+
+
+def _sigmoid(x: Expr) -> Expr:
+    return call("sigmoid", x)
+
+
+def _clamp(x: Expr, lo: float, hi: float) -> Expr:
+    return call("min", call("max", x, Const(lo)), Const(hi))
+
+
+def activation_expr(name: str, attrs: dict[str, Any], x: Expr) -> Expr:
+    """The expression of activation ``name`` (an op name of the catalogue) applied to ``x``."""
+    if name == "relu":
+        return _relu(x)
+    if name == "hardtanh":
+        return _clamp(x, float(attrs["min_val"]), float(attrs["max_val"]))
+    if name == "leaky_relu":
+        s = float(attrs["negative_slope"])
+        return call("select", call("gt", x, Const(0.0)), x, call("mul", x, Const(s)))
+    if name == "sigmoid":
+        return _sigmoid(x)
+    if name == "tanh":
+        return call("tanh", x)
+    if name == "silu":
+        return call("mul", x, _sigmoid(x))
+    if name == "hardswish":
+        return call("mul", x, call("div", _clamp(call("add", x, Const(3.0)), 0.0, 6.0), Const(6.0)))
+    if name == "hardsigmoid":
+        return call("div", _clamp(call("add", x, Const(3.0)), 0.0, 6.0), Const(6.0))
+    if name == "gelu":
+        if attrs.get("approximate", "none") == "tanh":
+            inner = call(
+                "mul",
+                Const(math.sqrt(2.0 / math.pi)),
+                call("add", x, call("mul", Const(0.044715), call("mul", x, call("mul", x, x)))),
+            )
+            return call(
+                "mul", call("mul", Const(0.5), x), call("add", Const(1.0), call("tanh", inner))
+            )
+        return call(
+            "mul",
+            call("mul", Const(0.5), x),
+            call("add", Const(1.0), call("erf", call("mul", x, Const(1.0 / math.sqrt(2.0))))),
+        )
+    raise NotFusable(f"activation {name!r} has no loop semantics")
+
+
+ACTIVATIONS = (
+    "relu",
+    "hardtanh",
+    "leaky_relu",
+    "sigmoid",
+    "tanh",
+    "silu",
+    "hardswish",
+    "hardsigmoid",
+    "gelu",
+)
+VIEWS = ("flatten", "reshape", "identity", "dropout", "contiguous")
+
+
+# -------------------------------------------------------------------- the rules
+def _out4(graph: Graph, node: Node) -> tuple[int, int, int, int]:
+    return logical4(graph.values[node.outputs[0]])
+
+
+def _param(graph: Graph, v: str, what: str) -> np.ndarray:
+    if v not in graph.params:
+        raise NotFusable(f"{what} {v!r} is not a constant")
+    return np.asarray(graph.params[v], dtype=np.float64).reshape(-1)
+
+
+def _batch_norm(graph: Graph, node: Node) -> OpLoops:
+    x, mean, var, weight, bias = node.inputs
+    eps = float(node.attrs["eps"])
+    m, v = _param(graph, mean, "mean"), _param(graph, var, "var")
+    w = _param(graph, weight, "weight") if weight in graph.params else np.ones_like(m)
+    b = _param(graph, bias, "bias") if bias in graph.params else np.zeros_like(m)
+    scale = w / np.sqrt(v + eps)
+    shift = b - m * scale
+    tag = node.name
+    return OpLoops(
+        "pointwise",
+        call(
+            "add",
+            call(
+                "mul",
+                broadcast_load(x, logical4(graph.values[x]), _out4(graph, node)),
+                ParamVec(f"{tag}_scale", tuple(np.float32(scale).tolist()), "c"),
+            ),
+            ParamVec(f"{tag}_shift", tuple(np.float32(shift).tolist()), "c"),
+        ),
+    )
+
+
+def _activation(graph: Graph, node: Node) -> OpLoops:
+    (x,) = node.inputs
+    load = broadcast_load(x, logical4(graph.values[x]), _out4(graph, node))
+    return OpLoops("pointwise", activation_expr(node.op, dict(node.attrs), load))
+
+
+def _binary(graph: Graph, node: Node) -> OpLoops:
+    out_t = graph.values[node.outputs[0]]
+    out4 = logical4(out_t)
+    rank = out_t.rank
+    operands: list[Expr] = [
+        broadcast_load(v, logical4(graph.values[v], rank), out4) for v in node.inputs
+    ]
+    scalar = node.attrs.get("scalar")
+    if scalar is not None:
+        if not isinstance(scalar, (int, float)):
+            raise NotFusable(f"scalar operand {scalar!r}")
+        operands.append(Const(float(scalar)))
+        if node.attrs.get("reverse"):
+            operands.reverse()
+    if len(operands) != 2:
+        raise NotFusable(f"{node.op} with {len(operands)} operands")
+    a, b = operands
+    alpha = node.attrs.get("alpha", 1)
+    if alpha != 1:
+        b = call("mul", b, Const(float(alpha)))
+    return OpLoops("pointwise", call(node.op, a, b))
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(v)
+    return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
+
+
+def _pool_windows(graph: Graph, node: Node, dilation: tuple[int, int]) -> tuple[Window, ...]:
+    x = node.inputs[0]
+    in4 = logical4(graph.values[x])
+    k = _pair(node.attrs["kernel_size"])
+    s = _pair(node.attrs["stride"] or node.attrs["kernel_size"])
+    p = _pair(node.attrs["padding"])
+    out4 = _out4(graph, node)
+    wins = []
+    for i, dim in enumerate((2, 3)):
+        expect = window_out_size(in4[dim], k[i], s[i], p[i], dilation[i], node.attrs["ceil_mode"])
+        if expect != out4[dim]:
+            raise NotFusable(f"pool output size {out4[dim]} != rule {expect}")
+        wins.append(
+            Window(
+                dim,
+                s[i],
+                dilation[i],
+                -p[i],
+                f"0 <= k < {k[i]}",
+                padded_lo=-p[i],
+                padded_hi=in4[dim] + p[i],
+            )
+        )
+    return tuple(wins)
+
+
+def _window_load(x: str, windows: Sequence[Window]) -> Load:
+    idx = list(DIMS)
+    for win in windows:
+        idx[win.dim] = win.input_index()
+    return Load(x, tuple(idx))  # type: ignore[arg-type]
+
+
+def _max_pool(graph: Graph, node: Node) -> OpLoops:
+    wins = _pool_windows(graph, node, _pair(node.attrs.get("dilation", 1)))
+    expr: Expr = Acc()
+    if node.op == "maxpool_relu":
+        expr = activation_expr(
+            node.attrs["activation"], dict(node.attrs.get("activation_attrs", ())), expr
+        )
+    return OpLoops(
+        "reduce",
+        expr,
+        body=_window_load(node.inputs[0], wins),
+        reduce="max",
+        init=-math.inf,
+        windows=wins,
+    )
+
+
+def _avg_pool(graph: Graph, node: Node) -> OpLoops:
+    wins = _pool_windows(graph, node, (1, 1))
+    div = node.attrs.get("divisor_override")
+    if div:
+        divisor = f"const:{int(div)}"
+    else:
+        divisor = "include_pad" if node.attrs["count_include_pad"] else "valid"
+    return OpLoops(
+        "reduce",
+        Acc(),
+        body=_window_load(node.inputs[0], wins),
+        reduce="sum",
+        init=0.0,
+        windows=wins,
+        divisor=divisor,
+    )
+
+
+def _adaptive_windows(in4: Sequence[int], out4: Sequence[int]) -> tuple[Window, ...]:
+    wins = []
+    for dim in (2, 3):
+        i, o = in4[dim], out4[dim]
+        # input index k lies in [floor(o*I/O), ceil((o+1)*I/O))
+        wins.append(Window(dim, 0, 1, 0, f"{o}*k + {o} > {i}*o and {o}*k < {i}*o + {i}"))
+    return tuple(wins)
+
+
+def _adaptive(graph: Graph, node: Node) -> OpLoops:
+    x = node.inputs[0]
+    in4, out4 = logical4(graph.values[x]), _out4(graph, node)
+    wins = _adaptive_windows(in4, out4)
+    if node.op == "adaptive_max_pool2d":
+        return OpLoops(
+            "reduce", Acc(), body=_window_load(x, wins), reduce="max", init=-math.inf, windows=wins
+        )
+    return OpLoops(
+        "reduce", Acc(), body=_window_load(x, wins), reduce="sum", windows=wins, divisor="valid"
+    )
+
+
+def _mean(graph: Graph, node: Node) -> OpLoops:
+    x = node.inputs[0]
+    xt = graph.values[x]
+    dims = sorted(d % xt.rank for d in node.attrs["dims"])
+    if xt.rank != 4 or dims != [2, 3]:
+        raise NotFusable(f"mean over dims {dims} of a rank {xt.rank} value")
+    in4 = logical4(xt)
+    wins = _adaptive_windows(in4, (in4[0], in4[1], 1, 1))
+    return OpLoops(
+        "reduce", Acc(), body=_window_load(x, wins), reduce="sum", windows=wins, divisor="valid"
+    )
+
+
+def _view(graph: Graph, node: Node) -> OpLoops:
+    x = node.inputs[0]
+    in4, out4 = logical4(graph.values[x]), _out4(graph, node)
+    if tuple(in4) != tuple(out4):
+        raise NotFusable(f"{node.op} {in4} -> {out4} moves elements")
+    return OpLoops("pointwise", Load(x, DIMS))
+
+
+def _conv2d_depthwise(graph: Graph, node: Node) -> OpLoops:
+    """Depthwise convolution (groups == in channels == out channels) as a sum window."""
+    x, w = node.inputs[0], node.inputs[1]
+    in4, out4 = logical4(graph.values[x]), _out4(graph, node)
+    wt = graph.values[w]
+    groups = int(node.attrs["groups"])
+    if node.attrs.get("residual") or not (groups == in4[1] == out4[1] and wt.shape[1] == 1):
+        raise NotFusable("only depthwise conv2d (groups == channels, no residual) is fusable")
+    if w not in graph.params:
+        raise NotFusable("conv weight is not a constant")
+    s, p, d = (_pair(node.attrs[a]) for a in ("stride", "padding", "dilation"))
+    kh, kw = wt.shape[2], wt.shape[3]
+    wins = tuple(
+        Window(dim, s[i], d[i], -p[i], f"0 <= k < {(kh, kw)[i]}") for i, dim in enumerate((2, 3))
+    )
+    weights = np.asarray(graph.params[w], dtype=np.float32).reshape(-1)
+    body = call(
+        "mul",
+        _window_load(x, wins),
+        ParamVec(f"{node.name}_weight", tuple(weights.tolist()), f"c*{kh * kw} + k_h*{kw} + k_w"),
+    )
+    expr: Expr = Acc()
+    if len(node.inputs) > 2:
+        b = node.inputs[2]
+        if b not in graph.params:
+            raise NotFusable("conv bias is not a constant")
+        bias = np.asarray(graph.params[b], dtype=np.float32).reshape(-1)
+        expr = call("add", expr, ParamVec(f"{node.name}_bias", tuple(bias.tolist()), "c"))
+    if node.attrs.get("activation"):
+        expr = activation_expr(
+            node.attrs["activation"], dict(node.attrs.get("activation_attrs", ())), expr
+        )
+    return OpLoops("reduce", expr, body=body, reduce="sum", windows=wins)
+
+
+def _cat(graph: Graph, node: Node) -> OpLoops:
+    out_t = graph.values[node.outputs[0]]
+    dim = int(node.attrs["dim"]) % max(1, out_t.rank)
+    if dim != 1 or out_t.rank not in (2, 4):
+        raise NotFusable(f"cat along dim {dim} of a rank {out_t.rank} value (channels only)")
+    slices, off = [], 0
+    for v in node.inputs:
+        ch = graph.values[v].shape[1]
+        slices.append((v, off, ch))
+        off += ch
+    return OpLoops("cat", Const(0.0), slices=tuple(slices))
+
+
+def shuffle_source(graph: Graph, node: Node) -> tuple[str, int] | None:
+    """``(input, groups)`` when ``node`` ends a channel shuffle ``reshape(N,g,C/g,H,W) ->
+    permute(0,2,1,3,4) -> reshape(N,C,H,W)``, else None."""
+    if node.op not in ("reshape", "flatten"):
+        return None
+    perm = graph.producer(node.inputs[0])
+    if perm is None or perm.op != "permute" or tuple(perm.attrs["dims"]) != (0, 2, 1, 3, 4):
+        return None
+    split = graph.producer(perm.inputs[0])
+    if split is None or split.op != "reshape":
+        return None
+    src = split.inputs[0]
+    s_in, s_mid = graph.values[src].shape, graph.values[split.outputs[0]].shape
+    if (
+        len(s_in) != 4
+        or len(s_mid) != 5
+        or tuple(graph.values[node.outputs[0]].shape) != tuple(s_in)
+    ):
+        return None
+    g = s_mid[1]
+    if s_mid != (s_in[0], g, s_in[1] // g, s_in[2], s_in[3]):
+        return None
+    return src, g
+
+
+def _reshape(graph: Graph, node: Node) -> OpLoops:
+    sh = shuffle_source(graph, node)
+    if sh is None:
+        return _view(graph, node)
+    src, g = sh
+    per = graph.values[src].shape[1] // g
+    return OpLoops("pointwise", Load(src, ("n", f"(c mod {g})*{per} + floor(c/{g})", "h", "w")))
+
+
+RULES: dict[str, Callable[[Graph, Node], OpLoops]] = {
+    "cat": _cat,
+    "batch_norm": _batch_norm,
+    **{a: _activation for a in ACTIVATIONS},
+    **{b: _binary for b in ("add", "sub", "mul", "div")},
+    "max_pool2d": _max_pool,
+    "maxpool_relu": _max_pool,
+    "avg_pool2d": _avg_pool,
+    "adaptive_avg_pool2d": _adaptive,
+    "adaptive_max_pool2d": _adaptive,
+    "mean": _mean,
+    **{v: _view for v in VIEWS},
+    "reshape": _reshape,
+    "flatten": _reshape,
+    "conv2d": _conv2d_depthwise,
+}
+
+
+def loops_of(graph: Graph, node: Node) -> OpLoops:
+    """The loop semantics of ``node`` in ``graph``; raises :class:`NotFusable` (with the
+    reason) for ops or attribute combinations the generator does not handle."""
+    rule = RULES.get(node.op)
+    if rule is None:
+        raise NotFusable(f"op {node.op!r} has no loop semantics")
+    if len(node.outputs) != 1:
+        raise NotFusable(f"{node.op} has {len(node.outputs)} outputs")
+    out_t = graph.values[node.outputs[0]]
+    if out_t.dtype != "float32":
+        raise NotFusable(f"{out_t.dtype} values are not generated (float32 only)")
+    return rule(graph, node)

@@ -1,0 +1,567 @@
+"""Depth-first schedules of I/O-bound groups (backend-neutral).
+
+``schedule_group(graph, nodes, hardware)`` turns a group of io nodes (a chain or small
+DAG with one output value) into a frozen :class:`Schedule`:
+
+1. Every node's loop semantics come from ``middleware.loops``. Nodes are gathered into
+   *stages*: a stage computes one value into a buffer. Pointwise nodes with a single
+   reader are inlined into their reader's expression; a window op (pooling, depthwise
+   conv) read at its own point by a pointwise node becomes that stage's reduction (its
+   epilogue). Everything else (a value read through a window, or read twice) is
+   materialised in a per-tile scratch buffer.
+2. The final output is tiled (tile sizes and thread/SIMD mapping from ``Hardware``). The
+   region of every scratch value and input a tile needs is the image of the tile under the
+   access relations (islpy maps), pulled backwards stage by stage, halos included.
+3. Loop bounds, window ranges, scratch origins and extents, and the element counts of
+   averaging windows are read off these isl sets (``middleware.isl_helpers``) and kept as
+   C-syntax affine text (isl's printer: ``min``, ``max``, ``floord``, ``?:``), which is
+   also valid CUDA.
+
+The records and their conventions are in ``passes/schedule_ir.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+import islpy as isl
+
+from .. import isl_helpers as ih
+from ..graph import Graph, Node, TensorType
+from ..hardware import Hardware
+from ..loops import (
+    DIMS,
+    Acc,
+    Call,
+    Expr,
+    Load,
+    NotFusable,
+    OpLoops,
+    ParamVec,
+    Window,
+    leaves,
+    logical4,
+    loops_of,
+    substitute,
+)
+from .schedule_ir import ORDER, Buffer, Loop, Reduction, Schedule, Stage, Tiling
+
+# Outputs smaller than this many elements run their tiles on one thread.
+PARALLEL_MIN_ELEMENTS = 1 << 15
+
+
+# --------------------------------------------------------------------- helpers
+def c_ident(name: str) -> str:
+    """A C identifier from a layer or value name (``layer1.0.bn1`` -> ``layer1_0_bn1``)."""
+    s = re.sub(r"[^0-9a-zA-Z_]", "_", name)
+    if not s or s[0].isdigit():
+        s = "v_" + s
+    return s
+
+
+def _subst_vars(text: str, mapping: dict[str, str]) -> str:
+    if not mapping:
+        return text
+    pat = re.compile(r"\b(" + "|".join(re.escape(k) for k in mapping) + r")\b")
+    return pat.sub(lambda m: f"({mapping[m.group(1)]})", text)
+
+
+def compose(expr: Expr, index: Sequence[str]) -> Expr:
+    """``expr`` (in its own coordinates n, c, h, w) evaluated at ``index``."""
+    mapping = dict(zip(DIMS, index, strict=True))
+
+    def leaf(x: Expr) -> Expr | None:
+        if isinstance(x, Load):
+            return Load(x.value, tuple(_subst_vars(i, mapping) for i in x.index))  # type: ignore[arg-type]
+        if isinstance(x, ParamVec):
+            return ParamVec(x.name, x.data, _subst_vars(x.index, mapping))
+        return None
+
+    return substitute(expr, leaf)
+
+
+@dataclasses.dataclass
+class _StageDraft:
+    value: str
+    nodes: list[str]
+    expr: Expr
+    red: OpLoops | None = None
+    channels: tuple[int, int] | None = None  # a cat slice: (first channel, count)
+
+
+def _group_io(graph: Graph, names: Sequence[str]) -> tuple[list[str], list[str]]:
+    inside = set(names)
+    produced = {v for n in names for v in graph.node(n).outputs}
+    ins: list[str] = []
+    for n in names:
+        for v in graph.node(n).inputs:
+            if v not in produced and v not in ins:
+                ins.append(v)
+    outs_graph = set(graph.output_values())
+    outs = []
+    for n in names:
+        for v in graph.node(n).outputs:
+            if v in outs_graph or any(c.name not in inside for c in graph.consumers(v)):
+                outs.append(v)
+    return ins, outs
+
+
+def _uses_inside(graph: Graph, names: set[str], value: str) -> int:
+    return sum(c.inputs.count(value) for c in graph.consumers(value) if c.name in names)
+
+
+def _window_dims_identity(index: Sequence[str], windows: Sequence[Window]) -> bool:
+    """A load index that only shifts channels (n, h, w and every window dim unchanged)."""
+    if _strip(index[0]) != "n":
+        return False
+    return all(_strip(index[d]) == DIMS[d] for d in (2, 3))
+
+
+def _strip(text: str) -> str:
+    t = text.strip()
+    while t.startswith("(") and t.endswith(")"):
+        t = t[1:-1].strip()
+    return t
+
+
+def _distributable_cat(graph, inside, out, producer, sem, lp) -> tuple[Load, OpLoops] | None:  # noqa: ANN001
+    """The load of a concat (read once, at the stage's own point) in pointwise ``lp``."""
+    if lp.kind != "pointwise":
+        return None
+    for x in leaves(lp.expr):
+        if (
+            isinstance(x, Load)
+            and x.value in producer
+            and x.value != out
+            and tuple(_strip(i) for i in x.index) == DIMS
+            and _uses_inside(graph, inside, x.value) == 1
+            and sem(x.value).kind == "cat"
+        ):
+            return x, sem(x.value)
+    return None
+
+
+def _plan_stages(graph: Graph, names: Sequence[str], out: str) -> list[_StageDraft]:
+    """Decide which values are materialised and build each stage's expression."""
+    inside = set(names)
+    producer: dict[str, Node] = {}
+    for n in names:
+        node = graph.node(n)
+        producer[node.outputs[0]] = node
+    sem_cache: dict[str, OpLoops] = {}
+
+    def sem(v: str) -> OpLoops:
+        if v not in sem_cache:
+            sem_cache[v] = loops_of(graph, producer[v])
+        return sem_cache[v]
+
+    drafts: list[_StageDraft] = []
+    done: set[str] = set()
+    todo = [out]
+
+    def expand(expr: Expr, draft: _StageDraft, window_read: bool) -> Expr:
+        def leaf(x: Expr) -> Expr | None:
+            if not isinstance(x, Load) or x.value not in producer:
+                return None
+            src = producer[x.value]
+            slp = sem(x.value)
+            single = _uses_inside(graph, inside, x.value) == 1 and x.value != out
+            if single and slp.kind == "pointwise" and not window_read:
+                draft.nodes.insert(0, src.name)
+                return expand(compose(slp.expr, x.index), draft, False)
+            if (
+                single
+                and slp.kind == "reduce"
+                and not window_read
+                and draft.red is None
+                and _window_dims_identity(x.index, slp.windows)
+            ):
+                draft.nodes.insert(0, src.name)
+                draft.red = dataclasses.replace(
+                    slp,
+                    body=compose(slp.body, x.index),  # type: ignore[arg-type]
+                )
+                return expand(compose(slp.expr, x.index), draft, False)
+            todo.append(x.value)
+            return None
+
+        return substitute(expr, leaf)
+
+    def finish(draft: _StageDraft) -> None:
+        draft.expr = expand(draft.expr, draft, False)
+        if draft.red is not None:
+            body = expand(draft.red.body, draft, True)  # type: ignore[arg-type]
+            draft.red = dataclasses.replace(draft.red, body=body)
+        drafts.append(draft)
+
+    while todo:
+        v = todo.pop()
+        if v in done:
+            continue
+        done.add(v)
+        node = producer[v]
+        lp = sem(v)
+        if lp.kind == "cat":
+            for src, first, count in lp.slices:
+                index = ("n", f"c - {first}" if first else "c", "h", "w")
+                finish(_StageDraft(v, [node.name], Load(src, index), None, (first, count)))
+            continue
+        cat = _distributable_cat(graph, inside, out, producer, sem, lp)
+        if cat is not None:
+            # a pointwise op of a concat is computed per slice, straight from each input
+            load, cat_lp = cat
+            for src, first, count in cat_lp.slices:
+                index = ("n", f"c - {first}" if first else "c", "h", "w")
+                expr = substitute(
+                    lp.expr,
+                    lambda x, load=load, src=src, index=index: (
+                        Load(src, index) if x == load else None
+                    ),
+                )
+                draft = _StageDraft(v, [producer[load.value].name, node.name], expr, None)
+                draft.channels = (first, count)
+                finish(draft)
+            continue
+        finish(_StageDraft(v, [node.name], lp.expr, lp if lp.kind == "reduce" else None))
+    order = {graph.node(n).outputs[0]: i for i, n in enumerate(names)}
+    return sorted(drafts, key=lambda d: (order[d.value], d.channels or (0, 0)))
+
+
+def _loads(d: _StageDraft) -> list[tuple[Load, bool]]:
+    """(load, read through the reduction window?) of a stage."""
+    out = [(x, False) for x in leaves(d.expr) if isinstance(x, Load)]
+    if d.red is not None and d.red.body is not None:
+        out += [(x, True) for x in leaves(d.red.body) if isinstance(x, Load)]
+    return out
+
+
+def _window_constraints(windows: Sequence[Window]) -> list[str]:
+    cons = []
+    for win in windows:
+        o = DIMS[win.dim]
+        c = re.sub(r"\bk\b", win.var, win.constraint)
+        c = re.sub(r"\bo\b", o, c)
+        cons.append(c)
+    return cons
+
+
+def _valid(index: Sequence[str], shape: Sequence[int]) -> list[str]:
+    return [f"0 <= {ix} < {s}" for ix, s in zip(index, shape, strict=True)]
+
+
+class _Builder:
+    def __init__(self, graph: Graph, names: Sequence[str], hw: Hardware) -> None:
+        self.graph = graph
+        self.names = list(names)
+        self.hw = hw
+        ins, outs = _group_io(graph, names)
+        if len(outs) != 1:
+            raise NotFusable(f"group has {len(outs)} values read outside it ({outs}); one needed")
+        self.ins, self.out = ins, outs[0]
+        self.drafts = _plan_stages(graph, names, self.out)
+        loaded = {x.value for d in self.drafts for x, _ in _loads(d)}
+        self.ins = [v for v in ins if v in loaded]
+        ins = self.ins
+        out_t = graph.values[self.out]
+        self.out4 = logical4(out_t)
+        lay = out_t.layout if out_t.rank == 4 else None
+        if lay is None:
+            lay = next((graph.values[v].layout for v in ins if graph.values[v].rank == 4), "nchw")
+        self.layout = lay
+        self.inner_dim = ORDER[lay][-1]
+        self.value_ids = {v: c_ident(v) for v in ins + [d.value for d in self.drafts]}
+
+    # ---------------------------------------------------------------- regions
+    def regions(self, tiling: Tiling) -> dict[str, isl.Set]:
+        """Region (isl set over the tile origins) of each stage's value, output first."""
+        tile = ih.tile_set("T", DIMS, self.out4, tiling.sizes, tiling.params)
+        regions: dict[str, isl.Set] = {self.out: tile}
+        for d in reversed(self.drafts):
+            reg = self.draft_region(regions[d.value], d).set_tuple_name("S")
+            windows = d.red.windows if d.red is not None else ()
+            for load, through in _loads(d):
+                shape = logical4(self.graph.values[load.value])
+                cons = _window_constraints(windows) if through else []
+                exists = [w.var for w in windows] if through else []
+                cons += _valid(load.index, shape)
+                acc = ih.access_map("S", DIMS, "T", load.index, exists, cons)
+                img = ih.name_dims(ih.image(reg, acc), DIMS)
+                prev = regions.get(load.value)
+                regions[load.value] = img if prev is None else prev.union(img).coalesce()
+        return regions
+
+    @staticmethod
+    def draft_region(region: isl.Set, d: _StageDraft) -> isl.Set:
+        """The part of its value's region a stage computes (a cat slice: its channels)."""
+        if d.channels is None:
+            return region
+        first, count = d.channels
+        name = region.get_tuple_name()
+        sl = isl.Set(f"{{ {name}[n, c, h, w] : {first} <= c < {first + count} }}")
+        region, sl = ih.align_params(region, sl)
+        return region.intersect(sl)
+
+    # ------------------------------------------------------------------ tiling
+    def tiling_for(self, rows: int) -> Tiling:
+        n, c, h, w = self.out4
+        if self.layout == "nhwc":
+            params = ("t_n", "", "t_h" if rows < h else "", "")
+            sizes = (1, c, min(rows, h), w)
+        else:
+            params = ("t_n", "t_c" if c > 1 else "", "t_h" if rows < h else "", "")
+            sizes = (1, 1, min(rows, h), w)
+        # small outputs run on one thread: waking the others costs more than they save
+        threads = self.hw.cores if n * c * h * w >= PARALLEL_MIN_ELEMENTS else 1
+        return Tiling(params, sizes, self.out4, threads, 0)  # type: ignore[arg-type]
+
+    def scratch_bytes(self, regions: dict[str, isl.Set]) -> int:
+        total = 0
+        for d in self._values():
+            if d.value == self.out:
+                continue
+            ext = 1
+            for k in range(4):
+                ext *= max(1, ih.max_extent(regions[d.value], k))
+            total += ext * 4
+        return total
+
+    def _values(self) -> list[_StageDraft]:
+        """One draft per materialised value (the first slice of a cat)."""
+        seen, out = set(), []
+        for d in self.drafts:
+            if d.value not in seen:
+                seen.add(d.value)
+                out.append(d)
+        return out
+
+    def choose_tiling(self, rows: int | None = None) -> tuple[Tiling, dict[str, isl.Set]]:
+        """Tallest row block whose scratch fits half the L2 and that still gives every
+        core several tiles (load balance); ``rows`` forces the block height."""
+        n, c, h, w = self.out4
+        if rows is not None:
+            t = self.tiling_for(rows)
+            regs = self.regions(t)
+            return dataclasses.replace(t, scratch_bytes=self.scratch_bytes(regs)), regs
+        budget = self.hw.l2_bytes // 2
+        per_tile_cols = n * (1 if self.layout == "nhwc" else c)
+        best = None
+        for rows in (64, 32, 16, 8, 4, 2, 1):
+            if rows > h and rows != 1 and best is not None:
+                continue
+            t = self.tiling_for(rows)
+            tiles = per_tile_cols * -(-h // t.sizes[2])
+            regs = self.regions(t)
+            sb = self.scratch_bytes(regs)
+            best = (dataclasses.replace(t, scratch_bytes=sb), regs)
+            if sb <= budget and tiles >= 4 * self.hw.cores:
+                break
+        assert best is not None
+        return best
+
+    # ----------------------------------------------------------------- bounds
+    def context(self, tiling: Tiling) -> str:
+        ps = [p for p in tiling.params if p]
+        cons = [f"0 <= {p} < {e}" for p, e in zip(tiling.params, tiling.extents, strict=True) if p]
+        return f"[{', '.join(ps)}] -> {{ : {' and '.join(cons) or 'true'} }}"
+
+    def stage_loops(self, region: isl.Set) -> tuple[tuple[Loop, ...], Loop]:
+        order = ORDER[self.layout]
+        b = ih.loop_bounds(region, order)
+        loops = tuple(Loop(DIMS[d], lo, hi) for d, (lo, hi) in zip(order[:-1], b[:-1], strict=True))
+        d = order[-1]
+        return loops, Loop(DIMS[d], b[-1][0], b[-1][1], simd=True)
+
+    def reduction(self, d: _StageDraft, region: isl.Set, ctx: str) -> Reduction:
+        red = d.red
+        assert red is not None and red.body is not None
+        windows = red.windows
+        order = ORDER[self.layout]
+        in_value = next(x.value for x, through in _loads(d) if through)
+        in_shape = logical4(self.graph.values[in_value])
+        cons = _window_constraints(windows)
+        for win in windows:
+            cons.append(f"0 <= {win.input_index()} < {in_shape[win.dim]}")
+        kvars = [w.var for w in windows]
+        dom = isl.Set(f"{{ S[{', '.join(DIMS)}, {', '.join(kvars)}] : {' and '.join(cons)} }}")
+        ext = region.set_tuple_name("S").insert_dims(isl.dim_type.set, 4, len(kvars))
+        for i, k in enumerate(kvars):
+            ext = ext.set_dim_name(isl.dim_type.set, 4 + i, k)
+        ext = ext.set_tuple_name("S")
+        dom, ext = ih.align_params(dom, ext)
+        full = ih.with_params(ext.intersect(dom), ctx)
+        inner = order[-1]
+        inner_win = [i for i, w in enumerate(windows) if w.dim == inner]
+        other_win = [i for i, w in enumerate(windows) if w.dim != inner]
+        scan = list(order[:-1]) + [4 + i for i in other_win] + [4 + i for i in inner_win] + [inner]
+        bounds = ih.loop_bounds(full, scan)
+        names = [DIMS[i] if i < 4 else kvars[i - 4] for i in scan]
+        loops = tuple(
+            Loop(nm, lo, hi) for nm, (lo, hi) in zip(names[3:-1], bounds[3:-1], strict=True)
+        )
+        inner_loop = Loop(names[-1], bounds[-1][0], bounds[-1][1], simd=True)
+        divisor = ""
+        if red.divisor.startswith("const:"):
+            divisor = red.divisor.split(":", 1)[1]
+        elif red.divisor:
+            counts = []
+            for win in windows:
+                o = DIMS[win.dim]
+                c = re.sub(r"\bk\b", win.var, re.sub(r"\bo\b", o, win.constraint))
+                ix = win.input_index()
+                if red.divisor == "include_pad":
+                    valid = f"{win.padded_lo} <= {ix} < {win.padded_hi}"
+                else:
+                    valid = f"0 <= {ix} < {in_shape[win.dim]}"
+                ks = ih.with_params(isl.Set(f"[{o}] -> {{ [{win.var}] : {c} and {valid} }}"), ctx)
+                lo, hi = ks.dim_min(0), ks.dim_max(0)
+                counts.append(f"({ih.c_expr(hi.sub(lo))} + 1)")
+            divisor = " * ".join(counts)
+        return Reduction(red.reduce, red.init, red.body, loops, inner_loop, divisor)
+
+    # ------------------------------------------------------------------ build
+    def build(self, name: str, rows: int | None = None) -> Schedule:
+        tiling, regions = self.choose_tiling(rows)
+        ctx = self.context(tiling)
+        buffers: list[Buffer] = []
+        g = self.graph
+        for v in self.ins:
+            t = g.values[v]
+            s4 = logical4(t)
+            buffers.append(
+                Buffer(self.value_ids[v], v, "input", s4, t.shape, _mem_layout(t), ("0",) * 4, s4)  # type: ignore[arg-type]
+            )
+        for d in self._values():
+            t = g.values[d.value]
+            s4 = logical4(t)
+            if d.value == self.out:
+                buffers.append(
+                    Buffer(
+                        self.value_ids[d.value],
+                        d.value,
+                        "output",
+                        s4,
+                        t.shape,
+                        _mem_layout(t),
+                        ("0",) * 4,
+                        s4,
+                    )  # type: ignore[arg-type]
+                )
+                continue
+            reg = ih.with_params(regions[d.value], ctx)
+            origin = tuple(ih.c_expr(reg.dim_min(k), reg.params()) for k in range(4))
+            extent = tuple(max(1, ih.max_extent(reg, k)) for k in range(4))
+            buffers.append(
+                Buffer(
+                    self.value_ids[d.value],
+                    d.value,
+                    "scratch",
+                    s4,
+                    t.shape,
+                    self.layout,
+                    origin,
+                    extent,
+                )  # type: ignore[arg-type]
+            )
+        stages = []
+        acc = 1
+        for d in self.drafts:
+            reg = ih.with_params(self.draft_region(regions[d.value], d), ctx)
+            reg = reg.set_tuple_name("S")
+            loops, inner = self.stage_loops(reg)
+            red = self.reduction(d, reg, ctx) if d.red is not None else None
+            if red is not None:
+                acc = max(acc, ih.max_extent(reg, ORDER[self.layout][-1]))
+            label = " + ".join(g.node(n).source or n for n in d.nodes)
+            guard = ih.guard(reg, isl.Set(ctx))
+            stages.append(
+                Stage(
+                    label, tuple(d.nodes), self.value_ids[d.value], loops, inner, d.expr, red, guard
+                )
+            )
+        params: dict[str, ParamVec] = {}
+        for d in self.drafts:
+            exprs = [d.expr] + ([d.red.body] if d.red is not None and d.red.body else [])
+            for e in exprs:
+                for x in leaves(e):
+                    if isinstance(x, ParamVec):
+                        params.setdefault(x.name, x)
+        layers = tuple(self.names)
+        desc = describe(g, self.names, self.ins, self.out)
+        return Schedule(
+            name=name,
+            layers=layers,
+            ops=tuple(g.node(n).op for n in self.names),
+            layout=self.layout,
+            buffers=tuple(buffers),
+            inputs=tuple(self.value_ids[v] for v in self.ins),
+            outputs=(self.value_ids[self.out],),
+            params=tuple(params.values()),
+            stages=tuple(stages),
+            tiling=tiling,
+            acc_elems=acc,
+            simd_floats=self.hw.simd_floats,
+            description=desc,
+        )
+
+
+def _mem_layout(t: TensorType) -> str:
+    return t.layout if t.rank == 4 else "nchw"
+
+
+def describe(graph: Graph, names: Sequence[str], ins: Sequence[str], out: str) -> str:
+    """Readable lines: every layer with its op and output type, the inputs and the output."""
+    lines = [f"input  {v}: {graph.values[v]}" for v in ins]
+    for n in names:
+        node = graph.node(n)
+        src = f" ({node.source})" if node.source and node.source != n else ""
+        lines.append(
+            f"{node.outputs[0]} = {node.op}({', '.join(node.inputs)}){src}: "
+            f"{graph.values[node.outputs[0]]}"
+        )
+    lines.append(f"output {out}: {graph.values[out]}")
+    return "\n".join(lines)
+
+
+def group_name(graph: Graph, names: Sequence[str]) -> str:
+    """A readable kernel name: ``g<group>_<op>_<op>...`` (ops of the group, shortened)."""
+    first = graph.node(names[0])
+    gid = f"g{first.group}" if first.group is not None else "g"
+    ops = "_".join(graph.node(n).op for n in names)
+    if len(ops) > 60:
+        ops = ops[:60].rstrip("_")
+    return c_ident(f"{gid}_{ops}")
+
+
+def schedule_group(
+    graph: Graph, names: Sequence[str], hardware: Hardware, tile_rows: int | None = None
+) -> Schedule:
+    """The depth-first schedule of the io group ``names`` (node names in topological order).
+
+    Raises :class:`~middleware.loops.NotFusable` with the reason when the group cannot be
+    generated (an op without loop semantics, several outputs, an unsupported layout).
+    ``tile_rows`` forces the height of a tile in output rows (else chosen from the caches).
+    """
+    if not names:
+        raise NotFusable("empty group")
+    for n in names:
+        node = graph.node(n)
+        for v in node.inputs + node.outputs:
+            if graph.values[v].dtype != "float32":
+                raise NotFusable(f"value {v} is {graph.values[v].dtype}")
+    b = _Builder(graph, names, hardware)
+    return b.build(group_name(graph, names), tile_rows)
+
+
+__all__ = [
+    "Acc",
+    "Buffer",
+    "Call",
+    "Loop",
+    "Reduction",
+    "Schedule",
+    "Stage",
+    "Tiling",
+    "schedule_group",
+]

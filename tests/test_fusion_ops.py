@@ -1,0 +1,112 @@
+"""Every generated kernel against PyTorch running the same group (Graph.evaluate) on
+seeded random inputs, over odd shapes and both layouts. Tolerance: 1e-5 abs/rel (float32
+single ops; 1e-4 for transcendental chains)."""
+
+from __future__ import annotations
+
+import pytest
+from fusion_helpers import avgpool, bn, build_chain, check_group, maxpool
+
+LAYOUTS = ["nchw", "nhwc"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernels")
+
+
+# (input shape, steps): C not a multiple of the SIMD width, 1x1 and 2x2 spatial, ...
+CHAINS = {
+    "bn_relu_maxpool_3x3s2p1": ((2, 5, 9, 7), [bn(), ("relu", {}), maxpool(3, 2, 1)]),
+    "bn_relu_maxpool_C17": ((1, 17, 12, 12), [bn(), ("relu", {}), maxpool(3, 2, 1)]),
+    "maxpool_1x1_spatial": ((2, 3, 1, 1), [maxpool(1, 1)]),
+    "maxpool_2x2_spatial_pad": ((2, 3, 2, 2), [maxpool(3, 1, 1)]),
+    "maxpool_window_larger_than_input": ((1, 4, 2, 3), [maxpool(5, 2, 2)]),
+    "maxpool_ceil_mode": ((2, 6, 10, 11), [maxpool(3, 2, 0, ceil=True)]),
+    "maxpool_ceil_pad": ((1, 3, 7, 8), [maxpool(3, 2, 1, ceil=True)]),
+    "maxpool_stride_gt_kernel": ((1, 5, 11, 13), [maxpool(2, 3, 1)]),
+    "maxpool_dilation": ((1, 3, 13, 12), [maxpool(3, 1, 1, d=2)]),
+    "maxpool_then_relu": ((2, 7, 8, 9), [maxpool(2, 2), ("relu", {})]),
+    "avgpool_include_pad": ((2, 5, 9, 10), [avgpool(3, 2, 1)]),
+    "avgpool_exclude_pad": ((2, 5, 9, 10), [avgpool(3, 2, 1, cip=False)]),
+    "avgpool_ceil_include_pad": ((1, 4, 7, 7), [avgpool(3, 2, 1, ceil=True)]),
+    "avgpool_ceil_exclude_pad": ((1, 4, 8, 7), [avgpool(2, 2, 1, ceil=True, cip=False)]),
+    "avgpool_divisor_override": ((1, 3, 6, 6), [avgpool(2, 2, div=3)]),
+    "avgpool_window_larger": ((1, 3, 2, 2), [avgpool(3, 1, 1, cip=False)]),
+    "maxpool_relu_merged": (
+        (2, 5, 9, 7),
+        [("maxpool_relu", dict(maxpool(3, 2, 1)[1], activation="relu", activation_attrs=()))],
+    ),
+    "activations": (
+        (2, 3, 5, 6),
+        [
+            ("hardtanh", dict(min_val=-0.5, max_val=0.7)),
+            ("leaky_relu", dict(negative_slope=0.1)),
+            ("silu", {}),
+            ("hardswish", {}),
+        ],
+    ),
+    "sigmoid_tanh_gelu": (
+        (1, 9, 4, 3),
+        [("sigmoid", {}), ("tanh", {}), ("gelu", dict(approximate="none")), ("hardsigmoid", {})],
+    ),
+    "gelu_tanh": ((1, 4, 3, 3), [("gelu", dict(approximate="tanh"))]),
+    "scalar_arith": (
+        (2, 3, 4, 5),
+        [
+            ("add", dict(scalar=1.5)),
+            ("mul", dict(scalar=0.5)),
+            ("sub", dict(scalar=2.0, reverse=True)),
+            ("div", dict(scalar=3.0)),
+        ],
+    ),
+    "residual_add": ((2, 6, 5, 5), [bn(), ("add", {}, [("input", (2, 6, 5, 5))]), ("relu", {})]),
+    "add_alpha": ((1, 3, 4, 4), [("sub", dict(alpha=2.0), [("input", (1, 3, 4, 4))])]),
+    "se_channel_scale": ((2, 7, 6, 5), [("mul", {}, [("input", (2, 7, 1, 1))])]),
+    "param_broadcast": ((2, 4, 3, 3), [("add", {}, [("param", (4, 1, 1))]), ("relu", {})]),
+    "adaptive_avg_1": ((2, 6, 7, 5), [("adaptive_avg_pool2d", dict(output_size=(1, 1)))]),
+    "adaptive_avg_uneven": ((1, 3, 10, 7), [("adaptive_avg_pool2d", dict(output_size=(3, 4)))]),
+    "adaptive_max_uneven": ((1, 5, 9, 11), [("adaptive_max_pool2d", dict(output_size=(4, 3)))]),
+    "global_mean_keepdim": ((2, 5, 4, 6), [("mean", dict(dims=(2, 3), keepdim=True))]),
+    "global_mean_flatten": (
+        (2, 9, 3, 3),
+        [("relu", {}), ("mean", dict(dims=(-1, -2), keepdim=False))],
+    ),
+    "gap_flatten": (
+        (2, 6, 5, 5),
+        [
+            ("adaptive_avg_pool2d", dict(output_size=(1, 1))),
+            ("flatten", dict(start_dim=1, end_dim=-1)),
+        ],
+    ),
+    "two_pools": ((1, 4, 17, 15), [bn(), ("relu", {}), maxpool(3, 2, 1), avgpool(2, 2)]),
+}
+
+TOL = {"sigmoid_tanh_gelu": 1e-4, "activations": 1e-5, "gelu_tanh": 1e-4}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", sorted(CHAINS))
+def test_chain_matches_pytorch(case, layout, cache):
+    shape, steps = CHAINS[case]
+    g = build_chain(shape, layout, steps, seed=hash(case) % 1000)
+    tol = TOL.get(case, 1e-5)
+    check_group(g, cache, seed=1, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("k,s,p", [(3, 1, 1), (3, 2, 1), (5, 1, 2)])
+def test_depthwise_conv(layout, k, s, p, cache):
+    c = 6
+    steps = [
+        bn(),
+        ("relu", {}),
+        (
+            "conv2d",
+            dict(stride=(s, s), padding=(p, p), dilation=(1, 1), groups=c),
+            [("param", (c, 1, k, k)), ("param", (c,))],
+        ),
+        ("hardtanh", dict(min_val=0.0, max_val=6.0)),
+    ]
+    g = build_chain((2, c, 9, 8), layout, steps, seed=k * 10 + s)
+    check_group(g, cache, seed=2, atol=1e-4, rtol=1e-4)
