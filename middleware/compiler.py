@@ -31,9 +31,13 @@ def compile_graph(graph: Graph, options: Options) -> Compiled:
     hardware = detect(options.device, options.cache_dir, options.measure_hardware)
     graph = run_passes(graph, options, hardware)
     graph = _fallbacks_on(graph, device)
-    plan = build_plan(
-        graph, device, _units(graph, options, hardware, device), plan_memory=options.plan_memory
-    )
+    if device.type == "cuda":  # io groups -> generated CUDA kernels; the rest -> cuDNN/cuBLAS
+        from .backends.cuda.units import cuda_units
+
+        units = cuda_units(graph, options, hardware, device)
+    else:
+        units = _units(graph, options, hardware, device)
+    plan = build_plan(graph, device, units, plan_memory=options.plan_memory)
     return Compiled(graph, plan, make_report(graph, plan))
 
 

@@ -1,4 +1,10 @@
-"""CUDA backend: depth-first kernels in CUDA C, cuDNN/cuBLAS via PyTorch."""
+"""CUDA backend: depth-first kernels in CUDA C, cuDNN/cuBLAS via PyTorch.
+
+Stages: ``group.py`` (the group's boundary) -> ``render.py`` (jinja2 template, element
+functions from ``elements.py``) -> ``build.py`` (nvcc or NVRTC into the kernel cache) ->
+``loader.py`` (pycuda or cuda.bindings) -> ``kernel.py`` (a callable over torch tensors).
+``emulate.h``/``emulate.py`` run the same generated source on the CPU for tests.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,19 @@ from ...errors import DeviceError
 
 
 def check_cuda_runtime() -> None:
-    """Raise a clear error when the CUDA kernel loader has nothing to load kernels with."""
-    import importlib.util
+    """Raise ``DeviceError`` naming the missing piece when generated CUDA kernels cannot run:
+    no CUDA device, or no kernel loader (pycuda or cuda-python), with how to install it."""
+    import torch
 
-    if importlib.util.find_spec("pycuda") is None and importlib.util.find_spec("cuda") is None:
+    from .loader import INSTALL_HINT, available_loaders
+
+    if not torch.cuda.is_available():
         raise DeviceError(
-            "device='cuda' needs a CUDA kernel loader: install pycuda (pip install "
-            "'middleware[cuda]') or cuda-python (pip install cuda-python)"
+            "device='cuda' but PyTorch sees no CUDA device here (torch.cuda.is_available() is "
+            "False: no GPU, no driver, or a CPU-only PyTorch build)"
+        )
+    if not available_loaders():
+        raise DeviceError(
+            "device='cuda' needs a CUDA kernel loader to run generated kernels, and neither "
+            f"pycuda nor cuda-python (cuda.bindings) is importable here; {INSTALL_HINT}"
         )

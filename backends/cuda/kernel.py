@@ -1,0 +1,121 @@
+"""A generated CUDA kernel as a callable over framework tensors, and the backend's entry
+points: render -> compile -> load for one group.
+
+Buffers: outputs are allocated with ``torch.empty`` on the inputs' device in the layout the
+graph gives them (channels_last for "nhwc"), so PyTorch's caching allocator owns every byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ...graph import TensorType
+from ...hardware import Hardware
+from .build import build, cubin_request
+from .group import KernelGroup
+from .render import RenderedKernel, render_group
+
+
+class Launcher(Protocol):
+    def launch(self, grid: int, block: int, ptrs: Sequence[int]) -> None: ...
+
+
+def _format(t: TensorType) -> torch.memory_format:
+    return torch.channels_last if t.rank == 4 and t.layout == "nhwc" else torch.contiguous_format
+
+
+def _dense(x: torch.Tensor, size: torch.Size, fmt: torch.memory_format) -> torch.Tensor:
+    """``x`` laid out as the kernel reads it (a copy only when it is not already)."""
+    if x.shape != size:
+        raise ValueError(f"kernel input has shape {tuple(x.shape)}, expected {tuple(size)}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"kernel input is {x.dtype}, generated CUDA kernels take float32")
+    return x if x.is_contiguous(memory_format=fmt) else x.contiguous(memory_format=fmt)
+
+
+class GeneratedKernel:
+    """``kernel(*inputs)`` returns the group's output(s); ``kernel.out(*inputs, *outputs)``
+    writes into preallocated outputs (the destination-passing form). Outputs must not
+    alias inputs: a thread reads neighbouring input elements (windows) of what it writes."""
+
+    def __init__(self, rendered: RenderedKernel, launcher: Launcher) -> None:
+        self.rendered = rendered
+        self.launcher = launcher
+        self.name = rendered.name
+        self._n_in = len(rendered.inputs)
+        self._grid, self._block = rendered.launch.grid, rendered.launch.block
+        self._ins = [(torch.Size(t.shape), _format(t)) for t in rendered.in_types]
+        self._outs = [(torch.Size(t.shape), _format(t)) for t in rendered.out_types]
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        dev = inputs[0].device if inputs else torch.device("cpu")
+        outs = [
+            torch.empty(size, dtype=torch.float32, device=dev, memory_format=fmt)
+            for size, fmt in self._outs
+        ]
+        self.out(*inputs, *outs)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def out(self, *args: torch.Tensor) -> None:
+        n = self._n_in
+        # the laid-out inputs stay referenced until the launch is queued (a copy made here
+        # must not be freed before; on CUDA the caching allocator orders the reuse by stream)
+        ins = [_dense(x, size, fmt) for x, (size, fmt) in zip(args[:n], self._ins, strict=True)]
+        ptrs = [x.data_ptr() for x in ins]
+        staged = []
+        for o, (size, fmt) in zip(args[n:], self._outs, strict=True):
+            if o.shape != size or not o.is_contiguous(memory_format=fmt):
+                tmp = torch.empty(size, dtype=torch.float32, device=o.device, memory_format=fmt)
+                staged.append((o, tmp))
+                o = tmp
+            ptrs.append(o.data_ptr())
+        self.launcher.launch(self._grid, self._block, ptrs)
+        for dst, tmp in staged:
+            dst.copy_(tmp)
+
+
+def compile_cuda_group(
+    group: KernelGroup,
+    hardware: Hardware,
+    cache_dir: Path,
+    device: int = 0,
+    key_extra: tuple[str, ...] = (),
+    loader: str | None = None,
+) -> GeneratedKernel:
+    """Render ``group``, compile it for ``hardware.arch`` through the kernel cache, load it
+    with pycuda or cuda.bindings on ``device``; a callable over CUDA tensors.
+
+    Raises ``UnsupportedError`` (cannot render), ``CompileError`` (nvcc/NVRTC failed) or
+    ``DeviceError`` (no compiler or loader).
+    """
+    from .loader import LoadedKernel, get_loader
+
+    rendered = render_group(group, hardware, emulate=False)
+    req = cubin_request(
+        rendered.name, rendered.source, hardware.arch or "sm_80", key_extra, meta=_meta(rendered)
+    )
+    cubin = build(req, cache_dir).read_bytes()
+    launcher = LoadedKernel(cubin, rendered.name, device, get_loader(loader))
+    return GeneratedKernel(rendered, launcher)
+
+
+def emulate_group(group: KernelGroup, hardware: Hardware, cache_dir: Path) -> GeneratedKernel:
+    """The same kernel compiled for the CPU emulation: a callable over CPU tensors."""
+    from .emulate import emulated_launcher
+
+    rendered = render_group(group, hardware, emulate=True)
+    return GeneratedKernel(rendered, emulated_launcher(rendered, cache_dir))
+
+
+def _meta(r: RenderedKernel) -> dict[str, Any]:
+    return {
+        "group": r.group.name,
+        "layers": [n.name for n in r.group.nodes],
+        "shapes": {v: str(t) for v, t in r.group.types.items()},
+        "grid": r.launch.grid,
+        "block": r.launch.block,
+    }

@@ -1,0 +1,189 @@
+"""Load a cubin and launch its kernels on PyTorch's current CUDA stream.
+
+Two loaders, one interface (:class:`Loader`):
+
+- ``pycuda`` (the optional extra ``middleware[cuda]``), used when it is installed. pycuda
+  cannot wrap a stream it did not create, so a launch goes to the legacy default stream,
+  which is PyTorch's default stream; when the current stream is another one, the launch
+  waits for it and is waited for (correct, slower).
+- ``cuda.bindings`` (cuda-python's driver API: ``cuModuleLoadData``, ``cuModuleGetFunction``,
+  ``cuLaunchKernel``), which launches straight on ``torch.cuda.current_stream()``.
+
+Both work in PyTorch's primary context on the tensors' device, so pointers from
+``tensor.data_ptr()`` (the CUDA caching allocator) are passed as they are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from ...errors import DeviceError
+
+INSTALL_HINT = (
+    "install one of: pip install 'middleware[cuda]' (pycuda), or pip install cuda-python "
+    "(cuda.bindings)"
+)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent package ("cuda") raises
+        return False
+
+
+def available_loaders() -> list[str]:
+    """The loaders importable here, in the order they are preferred."""
+    out = []
+    if _importable("pycuda"):
+        out.append("pycuda")
+    if _importable("cuda.bindings"):
+        out.append("cuda.bindings")
+    return out
+
+
+class Loader(Protocol):
+    name: str
+
+    def load(self, cubin: bytes, function: str, device: int) -> Any: ...
+
+    def launch(self, fn: Any, grid: int, block: int, ptrs: Sequence[int], stream: int) -> None: ...
+
+
+class CudaBindingsLoader:
+    """cuda-python's driver API; launches on the given stream handle."""
+
+    name = "cuda.bindings"
+
+    def __init__(self) -> None:
+        from cuda.bindings import driver
+
+        self.cu = driver
+        self._check(driver.cuInit(0)[0], "cuInit")
+        self._images: list[Any] = []  # cubin buffers stay alive as long as their modules
+        self._params: dict[int, tuple[Any, Any, int]] = {}
+
+    def _check(self, err: Any, what: str) -> None:
+        if int(err) != 0:
+            _, msg = self.cu.cuGetErrorString(err)
+            text = msg.decode() if isinstance(msg, bytes) else str(msg)
+            raise DeviceError(f"CUDA driver: {what} failed: {err} ({text})")
+
+    def _ensure_context(self, device: int) -> None:
+        cu = self.cu
+        err, ctx = cu.cuCtxGetCurrent()
+        self._check(err, "cuCtxGetCurrent")
+        if int(ctx) != 0:
+            return
+        err, dev = cu.cuDeviceGet(device)
+        self._check(err, "cuDeviceGet")
+        err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+        self._check(err, "cuDevicePrimaryCtxRetain")
+        self._check(cu.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
+
+    def load(self, cubin: bytes, function: str, device: int) -> Any:
+        self._ensure_context(device)
+        image = ctypes.create_string_buffer(cubin, len(cubin))
+        self._images.append(image)
+        err, module = self.cu.cuModuleLoadData(ctypes.addressof(image))
+        self._check(err, "cuModuleLoadData")
+        err, fn = self.cu.cuModuleGetFunction(module, function.encode())
+        self._check(err, f"cuModuleGetFunction({function})")
+        return fn
+
+    def launch(self, fn: Any, grid: int, block: int, ptrs: Sequence[int], stream: int) -> None:
+        # kernelParams: an array of pointers to the argument values (the driver copies the
+        # values at launch, so the two arrays are reused from launch to launch)
+        n = len(ptrs)
+        arrays = self._params.get(n)
+        if arrays is None:
+            values = (ctypes.c_void_p * n)()
+            base, size = ctypes.addressof(values), ctypes.sizeof(ctypes.c_void_p)
+            params = (ctypes.c_void_p * n)(*[base + i * size for i in range(n)])
+            arrays = self._params[n] = (values, params, ctypes.addressof(params))
+        values, _, address = arrays
+        for i, p in enumerate(ptrs):
+            values[i] = p
+        (err,) = self.cu.cuLaunchKernel(
+            fn, grid, 1, 1, block, 1, 1, 0, self.cu.CUstream(stream), address, 0
+        )
+        self._check(err, "cuLaunchKernel")
+
+
+class PyCudaLoader:
+    """pycuda, in PyTorch's primary context; launches on the legacy default stream."""
+
+    name = "pycuda"
+
+    def __init__(self) -> None:
+        import pycuda.driver as drv
+
+        drv.init()
+        self.drv = drv
+        self._contexts: dict[int, Any] = {}
+
+    def load(self, cubin: bytes, function: str, device: int) -> Any:
+        if device not in self._contexts:
+            ctx = self.drv.Device(device).retain_primary_context()
+            ctx.push()
+            self._contexts[device] = ctx
+        module = self.drv.module_from_buffer(cubin)
+        return (module, module.get_function(function))
+
+    def launch(self, fn: Any, grid: int, block: int, ptrs: Sequence[int], stream: int) -> None:
+        import numpy as np
+        import torch
+
+        _, func = fn
+        args = [np.uintp(p) for p in ptrs]
+        if stream != 0:  # not the legacy default stream: order the launch around it
+            torch.cuda.current_stream().synchronize()
+        func(*args, block=(block, 1, 1), grid=(grid, 1, 1))
+        if stream != 0:
+            self.drv.Context.synchronize()
+
+
+_LOADERS = {"pycuda": PyCudaLoader, "cuda.bindings": CudaBindingsLoader}
+_instances: dict[str, Loader] = {}
+
+
+def get_loader(prefer: str | None = None) -> Loader:
+    """The loader to use: ``prefer`` if given, else pycuda, else cuda.bindings.
+
+    Raises ``DeviceError`` saying how to install one when neither is importable.
+    """
+    names = available_loaders()
+    if prefer is not None:
+        if prefer not in _LOADERS:
+            raise DeviceError(f"unknown CUDA loader {prefer!r}; known: {', '.join(_LOADERS)}")
+        if prefer not in names:
+            raise DeviceError(f"the CUDA loader {prefer!r} is not installed; {INSTALL_HINT}")
+        names = [prefer]
+    if not names:
+        raise DeviceError(
+            "device='cuda' needs a CUDA kernel loader, and neither pycuda nor cuda-python "
+            f"is importable here; {INSTALL_HINT}"
+        )
+    name = names[0]
+    if name not in _instances:
+        _instances[name] = _LOADERS[name]()
+    return _instances[name]
+
+
+class LoadedKernel:
+    """One kernel function of a cubin, launched on the current stream of ``device``."""
+
+    def __init__(self, cubin: bytes, function: str, device: int, loader: Loader) -> None:
+        self.loader = loader
+        self.device = device
+        self.function = function
+        self._fn = loader.load(cubin, function, device)
+
+    def launch(self, grid: int, block: int, ptrs: Sequence[int]) -> None:
+        import torch
+
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.loader.launch(self._fn, grid, block, ptrs, stream)

@@ -1,0 +1,213 @@
+"""How a graph runs on a CUDA device: I/O-bound groups as generated kernels, everything else
+(convolutions, matrix products: cuDNN/cuBLAS) through PyTorch's ATen operators on CUDA
+tensors. Called by ``middleware.compiler._units`` when the device is CUDA.
+
+Groups come from the passes (``Node.group`` of io nodes) when they ran; otherwise maximal
+runs of consecutive io nodes that the CUDA renderer supports, split into connected parts.
+A group that cannot be rendered or compiled runs node by node through the framework, with
+the reason in the report (``strict=True`` raises instead).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import networkx as nx
+import torch
+
+from ...errors import CompileError, DeviceError, UnsupportedError
+from ...graph import Graph, Node
+from ...hardware import Hardware
+from ...ops import Bound, get_op
+from ...options import Options
+from ...runtime.plan import Unit, node_step
+from .elements import EMITTERS, why_unsupported
+from .group import KernelGroup, group_from_nodes
+
+
+def _is_io(n: Node) -> bool:
+    bound = n.bound or str(get_op(n.op).bound)
+    return bound == str(Bound.IO) and n.op in EMITTERS
+
+
+def io_groups(graph: Graph) -> list[list[str]]:
+    """The node names of each I/O-bound group to fuse, in execution order.
+
+    Runs of consecutive nodes (in the graph's topological order) that are io, renderable
+    and, when the passes grouped the graph, of one group; each run split into its
+    connected parts. A part of consecutive nodes is convex (no path leaves it and comes
+    back), so it can run as one kernel.
+    """
+    groups: list[list[str]] = []
+    run: list[Node] = []
+    for n in [*graph.nodes(), None]:
+        if n is not None and _is_io(n) and (not run or run[-1].group == n.group):
+            run.append(n)
+            continue
+        if run:
+            groups.extend(_connected_parts(graph, run))
+        run = [n] if n is not None and _is_io(n) else []
+    return groups
+
+
+def _connected_parts(graph: Graph, run: list[Node]) -> list[list[str]]:
+    """Weakly connected parts of a run of consecutive nodes (each part is convex: a path
+    between two of its nodes only passes nodes of the run)."""
+    names = {n.name for n in run}
+    sub = nx.Graph()
+    sub.add_nodes_from(names)
+    for n in run:
+        for v in n.inputs:
+            p = graph.producer(v)
+            if p is not None and p.name in names:
+                sub.add_edge(p.name, n.name)
+    order = {n.name: i for i, n in enumerate(run)}
+    parts = [sorted(c, key=order.__getitem__) for c in nx.connected_components(sub)]
+    return sorted(parts, key=lambda part: order[part[0]])
+
+
+def _worth_a_kernel(group: KernelGroup) -> bool:
+    """A group of views only (flatten, identity, ...) is free in the framework: no kernel."""
+    return any(not get_op(n.op).view_like for n in group.nodes)
+
+
+def cuda_units(
+    graph: Graph,
+    options: Options,
+    hardware: Hardware,
+    device: torch.device,
+    emulate: bool = False,
+) -> list[Unit]:
+    """The plan's units for ``device`` (a CUDA device), in a valid execution order.
+
+    ``emulate=True`` (tests without a GPU): the same kernels compiled for the CPU emulation
+    and run on CPU tensors, so that grouping and plan integration are tested end to end.
+    """
+    from .build import build_many, cubin_request, emulation_request
+    from .emulate import emulated_launcher
+    from .kernel import GeneratedKernel
+    from .loader import LoadedKernel, get_loader
+    from .render import render_group
+
+    try:  # cuDNN/cuBLAS calls with prepacked weights, where the vendor module offers them
+        from ..x86.vendor import vendor_kernel
+    except ImportError:
+        vendor_kernel = None
+    if emulate:
+        index = -1
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    in_group: dict[str, int] = {}
+    kernels: dict[int, GeneratedKernel] = {}
+    reasons: dict[int, str] = {}
+    groups = []
+    if options.fuse:
+        for names in io_groups(graph):
+            group = group_from_nodes(
+                graph,
+                names,
+                name=f"g{len(groups)}_" + "_".join(dict.fromkeys(graph.node(n).op for n in names)),
+            )
+            if not _worth_a_kernel(group):
+                continue
+            gid = len(groups)
+            groups.append(group)
+            for name in names:
+                in_group[name] = gid
+
+    rendered, requests = {}, []
+    for gid, group in enumerate(groups):
+        reason = why_unsupported(group)
+        if reason:
+            reasons[gid] = reason
+            continue
+        try:
+            r = render_group(group, hardware, emulate=emulate)
+            if emulate:
+                req = emulation_request(r.name, r.source, meta={"group": group.name})
+            else:
+                req = cubin_request(
+                    r.name,
+                    r.source,
+                    hardware.arch or "sm_80",
+                    (options.codegen_key(),),
+                    meta={"group": group.name},
+                )
+        except (UnsupportedError, DeviceError) as exc:
+            if options.strict:
+                raise
+            reasons[gid] = str(exc)
+            continue
+        rendered[gid] = r
+        requests.append((gid, req))
+
+    results = build_many([req for _, req in requests], options.cache_dir)
+    loader = get_loader() if requests and not emulate else None
+    for (gid, _), result in zip(requests, results, strict=True):
+        if isinstance(result, CompileError):
+            if options.strict:
+                raise result
+            warnings.warn(
+                f"CUDA kernel for group {groups[gid].name} failed to compile; it runs through "
+                f"PyTorch. Source: {result.source_path}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            reasons[gid] = str(result)
+            continue
+        r = rendered[gid]
+        if emulate:
+            launcher = emulated_launcher(r, options.cache_dir)
+        else:
+            launcher = LoadedKernel(result.read_bytes(), r.name, index, loader)
+        kernels[gid] = GeneratedKernel(r, launcher)
+
+    units: list[Unit] = []
+    emitted: set[int] = set()
+    for n in graph.nodes():
+        gid = in_group.get(n.name)
+        if gid is not None and gid in kernels:
+            if gid in emitted:
+                continue
+            emitted.add(gid)
+            k, g = kernels[gid], groups[gid]
+            units.append(
+                Unit(
+                    g.name,
+                    "generated",
+                    k,
+                    g.inputs,
+                    g.outputs,
+                    tuple(m.name for m in g.nodes),
+                    "",
+                    out_fn=k.out,
+                )
+            )
+            continue
+        runs_as, fn, reason = node_step(graph, n, device)
+        if runs_as == "vendor" and vendor_kernel is not None and not emulate:
+            fn = vendor_kernel(graph, n, device, hardware) or fn
+        if gid is not None and runs_as == "vendor":
+            reason = f"not fused: {reasons.get(gid, '')}"
+        units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
+    return order_units(units)
+
+
+def order_units(units: Sequence[Unit]) -> list[Unit]:
+    """``units`` in an order where every value is produced before it is read, as close to
+    the given order as possible (a group's unit may have to move after outside nodes that
+    feed its later members)."""
+    producer = {v: i for i, u in enumerate(units) for v in u.outputs}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(units)))
+    for i, u in enumerate(units):
+        for v in u.inputs:
+            j = producer.get(v)
+            if j is not None and j != i:
+                dag.add_edge(j, i)
+    try:
+        order = list(nx.lexicographical_topological_sort(dag))
+    except nx.NetworkXUnfeasible as exc:
+        raise UnsupportedError("fused groups form a cycle; the grouping is not convex") from exc
+    return [units[i] for i in order]

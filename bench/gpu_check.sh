@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The CUDA backend's check on a machine with a GPU and PyTorch (no internet needed).
+#
+#   bash bench/gpu_check.sh            # from the repository root (or anywhere)
+#
+# 1. env      : GPU, driver, python, torch, nvcc, and which of the needed packages import;
+# 2. install  : wheels carried in .whl/ (e.g. islpy, absent from some GPU images) into
+#               /tmp/site, then the project itself: pip install --no-deps
+#               --no-build-isolation -e . (falls back to running from the source tree);
+# 3. tests    : the CUDA tests for real (tests/test_cuda_gpu.py, incl. torchvision nets,
+#               and tests/test_cuda_compile.py, tests/test_cuda_units.py);
+# 4. chain    : bench/gpu_chain.py: BN -> ReLU -> MaxPool 3x3/2 on 16x64x112x112 fp32,
+#               eager (cudnn.benchmark, NCHW/channels_last), torch.compile, middleware,
+#               and the device-to-device copy bandwidth;
+# 5. zoo      : bench/zoo.py --device cuda if it has that option and a --budget-s, else
+#               bench/gpu_zoo.py: eleven torchvision networks at batch 16 within a budget.
+#
+# Every step has its own timeout (total at most about 8 minutes) and the script never
+# stops at a failed step. Results go to $OUT if set, else bench/results/: summary.txt,
+# tests.log, chain.json, chain.log, zoo.json, zoo.md, zoo.log (at most 8 files).
+set -u
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+RES=${OUT:-$ROOT/bench/results}
+mkdir -p "$RES"
+PY=${PYTHON:-python3}
+SUMMARY=$RES/summary.txt
+: >"$SUMMARY"
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+# step NAME LIMIT_SECONDS LOGFILE COMMAND...
+step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local t=$(date +%s)
+  note "== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+  timeout -k 10 "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  [ "$rc" = 124 ] || [ "$rc" = 137 ] && note "   TIMED OUT"
+  note "== $name rc=$rc in $(($(date +%s) - t))s"
+  tail -n 15 "$log" | sed 's/^/   | /' >>"$SUMMARY"
+  return 0
+}
+
+# 1. env
+{
+  nvidia-smi -L 2>&1 || echo "no nvidia-smi"
+  "$PY" --version 2>&1
+  command -v nvcc >/dev/null && nvcc --version | tail -n 2 || echo "no nvcc on PATH"
+  "$PY" - <<'EOF'
+import importlib
+for m in ("torch", "torchvision", "numpy", "networkx", "jinja2", "tqdm", "islpy",
+          "cuda.bindings", "pycuda", "pytest"):
+    try:
+        mod = importlib.import_module(m)
+        print(f"{m:14s} {getattr(mod, '__version__', 'ok')}")
+    except Exception as exc:
+        print(f"{m:14s} MISSING ({type(exc).__name__})")
+import torch
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"GPU {p.name}: sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
+          f"{p.total_memory / 2**30:.0f} GiB, L2 {getattr(p, 'L2_cache_size', 0) / 2**20:.0f} MiB")
+else:
+    print("torch sees no CUDA device")
+EOF
+} >>"$SUMMARY" 2>&1
+
+# 2. install
+if ls .whl/*.whl >/dev/null 2>&1; then
+  step wheels 60 "$RES/tests.log" "$PY" -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+step install 120 "$RES/tests.log" "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+if ! "$PY" -c "import middleware.backends.cuda" >>"$RES/tests.log" 2>&1; then
+  note "   editable install unusable: running from the source tree"
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$PY" -c "import islpy" 2>/dev/null || note "   islpy missing: carry its wheel in .whl/ (see the README)"
+
+# 3. tests
+step tests 150 "$RES/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider \
+  -m "not slow or gpu" tests/test_cuda_gpu.py tests/test_cuda_compile.py tests/test_cuda_units.py
+
+# 4. chain
+step chain 120 "$RES/chain.log" "$PY" bench/gpu_chain.py --out "$RES/chain.json"
+
+# 5. zoo: what is left of 8 minutes, at most 200 s
+LEFT=$((470 - ($(date +%s) - T0)))
+[ "$LEFT" -gt 200 ] && LEFT=200
+if [ "$LEFT" -lt 40 ]; then
+  note "== zoo skipped: ${LEFT}s left of the 8 minutes"
+elif [ -f bench/zoo.py ] && grep -q -- '"--device"' bench/zoo.py && grep -q -- '"--budget-s"' bench/zoo.py; then
+  step zoo "$LEFT" "$RES/zoo.log" "$PY" bench/zoo.py --device cuda --batch 16 \
+    --budget-s $((LEFT - 20)) --out "$RES/zoo.md"
+else
+  step zoo "$LEFT" "$RES/zoo.log" "$PY" bench/gpu_zoo.py --batch 16 \
+    --budget-s $((LEFT - 20)) --out "$RES/zoo.json"
+fi
+[ -f "$RES/zoo.md" ] && cat "$RES/zoo.md" >>"$SUMMARY"
+note "== total $(($(date +%s) - T0))s"

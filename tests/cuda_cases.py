@@ -1,0 +1,327 @@
+"""Small I/O-bound groups for the CUDA backend's tests (emulation, nvcc, real GPU).
+
+Each case builds a graph in a given layout whose nodes all form one group; the group's
+outputs are the graph's outputs, so ``Graph.evaluate`` gives PyTorch's answer for exactly
+what the kernel computes. Shapes are odd on purpose: sizes that are no multiple of a warp,
+1x1 and 2x2 spatial, windows larger than the input, ceil_mode edge windows, padding wider
+than half the window where PyTorch allows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from middleware.graph import Graph, Node, TensorType
+from middleware.hardware import Hardware
+from middleware.ops import infer_types
+
+# A GPU description for rendering without a GPU (an H100-like part, small enough figures
+# that the emulated grids stay short).
+FAKE_GPU = Hardware(
+    kind="cuda",
+    name="test-gpu",
+    cores=4,
+    simd_bytes=128,
+    l1_bytes=256 * 1024,
+    l2_bytes=50 * 1024 * 1024,
+    l3_bytes=0,
+    peak_gflops=60000.0,
+    bandwidth_gbs=3000.0,
+    warp_size=32,
+    shared_mem_bytes=227 * 1024,
+    arch="sm_90",
+)
+
+
+class Builder:
+    """Adds nodes with inferred types; parameters from a seeded generator."""
+
+    def __init__(self, layout: str, seed: int = 0) -> None:
+        self.g = Graph()
+        self.layout = layout
+        self.rng = np.random.default_rng(seed)
+        self.names: list[str] = []
+
+    def input(self, name: str, shape: tuple[int, ...]) -> str:
+        lay = self.layout if len(shape) == 4 else "nchw"
+        return self.g.add_input(name, TensorType(shape, layout=lay))
+
+    def param(self, name: str, shape: tuple[int, ...], positive: bool = False) -> str:
+        a = self.rng.standard_normal(shape).astype(np.float32)
+        if positive:
+            a = np.abs(a) + np.float32(0.5)
+        return self.g.add_param(name, a)
+
+    def node(self, op: str, inputs: tuple[str, ...], n_out: int = 1, **attrs) -> str | tuple:
+        name = f"n{len(self.names)}_{op}"
+        outs = tuple(f"{name}_out{k}" if n_out > 1 else f"{name}_out" for k in range(n_out))
+        node = Node(name, op, inputs, outs, attrs, bound="io", source=f"layer{len(self.names)}")
+        self.g.add_node(node, infer_types(self.g.values, node))
+        self.names.append(name)
+        return outs if n_out > 1 else outs[0]
+
+    def bn(self, x: str) -> str:
+        c = self.g.values[x].shape[1]
+        k = len(self.names)
+        ps = (
+            self.param(f"bn{k}_mean", (c,)),
+            self.param(f"bn{k}_var", (c,), positive=True),
+            self.param(f"bn{k}_weight", (c,)),
+            self.param(f"bn{k}_bias", (c,)),
+        )
+        return self.node("batch_norm", (x, *ps), eps=1e-5)
+
+    def done(self, *outputs: str) -> tuple[Graph, list[str]]:
+        self.g.set_outputs(outputs[0] if len(outputs) == 1 else tuple(outputs))
+        return self.g, list(self.names)
+
+
+def pool_attrs(k, s, p=0, d=1, ceil=False) -> dict:  # noqa: ANN001
+    return dict(kernel_size=k, stride=s, padding=p, dilation=d, ceil_mode=ceil)
+
+
+def avg_attrs(k, s, p=0, ceil=False, cip=True, div=None) -> dict:  # noqa: ANN001
+    return dict(
+        kernel_size=k,
+        stride=s,
+        padding=p,
+        ceil_mode=ceil,
+        count_include_pad=cip,
+        divisor_override=div,
+    )
+
+
+def _chain(lay: str) -> tuple[Graph, list[str]]:
+    b = Builder(lay)
+    x = b.input("x", (2, 5, 9, 7))
+    y = b.node("max_pool2d", (b.node("relu", (b.bn(x),)),), **pool_attrs(3, 2, 1))
+    return b.done(y)
+
+
+def _chain_ceil(lay: str) -> tuple[Graph, list[str]]:
+    b = Builder(lay)
+    x = b.input("x", (3, 6, 10, 11))
+    y = b.node("max_pool2d", (b.node("relu", (b.bn(x),)),), **pool_attrs(3, 2, 0, ceil=True))
+    return b.done(y)
+
+
+def _unary(op: str, **attrs) -> Callable[[str], tuple[Graph, list[str]]]:  # noqa: ANN003
+    def build(lay: str) -> tuple[Graph, list[str]]:
+        b = Builder(lay)
+        x = b.input("x", (2, 3, 5, 7))
+        return b.done(b.node(op, (x,), **attrs))
+
+    return build
+
+
+def _binary(op: str, other: tuple[int, ...] | None, **attrs) -> Callable:  # noqa: ANN003
+    def build(lay: str) -> tuple[Graph, list[str]]:
+        b = Builder(lay)
+        x = b.input("x", (2, 6, 5, 3))
+        if other is None:
+            return b.done(b.node(op, (x,), **attrs))
+        y = b.input("y", other)
+        return b.done(b.node(op, (x, y), **attrs))
+
+    return build
+
+
+def _pool(op: str, shape: tuple[int, ...], **attrs) -> Callable:  # noqa: ANN003
+    def build(lay: str) -> tuple[Graph, list[str]]:
+        b = Builder(lay)
+        x = b.input("x", shape)
+        return b.done(b.node(op, (x,), **attrs))
+
+    return build
+
+
+def _maxpool_act(act: str, act_attrs: tuple) -> Callable:
+    def build(lay: str) -> tuple[Graph, list[str]]:
+        b = Builder(lay)
+        x = b.input("x", (2, 4, 7, 9))
+        y = b.node(
+            "maxpool_relu", (x,), **pool_attrs(3, 2, 1), activation=act, activation_attrs=act_attrs
+        )
+        return b.done(y)
+
+    return build
+
+
+def _mean(keep: bool) -> Callable:
+    def build(lay: str) -> tuple[Graph, list[str]]:
+        b = Builder(lay)
+        x = b.input("x", (3, 5, 6, 7))
+        return b.done(b.node("mean", (b.node("silu", (x,)),), dims=(2, 3), keepdim=keep))
+
+    return build
+
+
+def _se_block(lay: str) -> tuple[Graph, list[str]]:
+    """Squeeze-excitation's scale: x * hardsigmoid(s) with s per channel (N, C, 1, 1)."""
+    b = Builder(lay)
+    x = b.input("x", (2, 6, 5, 7))
+    s = b.input("s", (2, 6, 1, 1))
+    return b.done(b.node("mul", (x, b.node("hardsigmoid", (s,)))))
+
+
+def _cat(lay: str) -> tuple[Graph, list[str]]:
+    b = Builder(lay)
+    x = b.input("x", (2, 3, 6, 5))
+    y = b.input("y", (2, 4, 6, 5))
+    c = b.node("cat", (b.node("relu", (x,)), b.node("sigmoid", (y,))), dim=1)
+    return b.done(b.node("max_pool2d", (c,), **pool_attrs(2, 2, 0, ceil=True)))
+
+
+def _shuffle(lay: str) -> tuple[Graph, list[str]]:
+    """shufflenet's split + channel shuffle: split, relu one half, cat, reshape/permute."""
+    b = Builder(lay)
+    x = b.input("x", (2, 8, 5, 3))
+    a, c = b.node("split", (x,), n_out=2, split_sizes=(4, 4), dim=1)
+    y = b.node("cat", (a, b.node("relu", (c,))), dim=1)
+    r = b.node("reshape", (y,), shape=(2, 2, 4, 5, 3))
+    p = b.node("permute", (r,), dims=(0, 2, 1, 3, 4))
+    return b.done(b.node("reshape", (p,), shape=(2, 8, 5, 3)))
+
+
+def _head(lay: str) -> tuple[Graph, list[str]]:
+    b = Builder(lay)
+    x = b.input("x", (3, 7, 5, 6))
+    p = b.node("adaptive_avg_pool2d", (b.node("relu", (x,)),), output_size=(1, 1))
+    f = b.node("flatten", (p,), start_dim=1, end_dim=-1)
+    return b.done(b.node("dropout", (f,)))
+
+
+def _softmax(op: str) -> Callable:
+    def build(lay: str) -> tuple[Graph, list[str]]:
+        b = Builder(lay)
+        x = b.input("x", (3, 13))
+        return b.done(b.node(op, (x,), dim=1))
+
+    return build
+
+
+def _depthwise(stride: int, act: str | None, residual: bool = False) -> Callable:
+    def build(lay: str) -> tuple[Graph, list[str]]:
+        b = Builder(lay)
+        x = b.input("x", (2, 6, 9, 8))
+        w = b.param("dw_w", (6, 1, 3, 3))
+        bias = b.param("dw_b", (6,))
+        ins = (x, w, bias)
+        attrs = dict(stride=(stride, stride), padding=(1, 1), dilation=(1, 1), groups=6)
+        if act:
+            attrs.update(activation=act, activation_attrs=(("min_val", 0.0), ("max_val", 6.0)))
+        if residual:
+            ins = (*ins, b.input("res", (2, 6, 9, 8)))
+            attrs["residual"] = True
+        return b.done(b.node("conv2d", ins, **attrs))
+
+    return build
+
+
+def _grouped_conv(lay: str) -> tuple[Graph, list[str]]:
+    b = Builder(lay)
+    x = b.input("x", (2, 4, 6, 5))
+    w = b.param("g_w", (6, 2, 2, 3))
+    y = b.node("conv2d", (x, w), stride=(1, 2), padding=(1, 0), dilation=(2, 1), groups=2)
+    return b.done(b.node("relu", (y,)))
+
+
+def _two_outputs(lay: str) -> tuple[Graph, list[str]]:
+    """A group with two outputs of different shapes (the activation is read outside too)."""
+    b = Builder(lay)
+    x = b.input("x", (2, 3, 7, 6))
+    r = b.node("relu", (b.bn(x),))
+    return b.done(r, b.node("avg_pool2d", (r,), **avg_attrs(2, 2, ceil=True)))
+
+
+def _residual_add(lay: str) -> tuple[Graph, list[str]]:
+    b = Builder(lay)
+    x = b.input("x", (2, 5, 4, 3))
+    y = b.input("y", (2, 5, 4, 3))
+    return b.done(b.node("relu", (b.node("add", (b.bn(x), y), alpha=1),)))
+
+
+CASES: dict[str, Callable[[str], tuple[Graph, list[str]]]] = {
+    "bn_relu_maxpool": _chain,
+    "bn_relu_maxpool_ceil": _chain_ceil,
+    "relu": _unary("relu"),
+    "relu6": _unary("hardtanh", min_val=0.0, max_val=6.0),
+    "leaky_relu": _unary("leaky_relu", negative_slope=0.1),
+    "sigmoid": _unary("sigmoid"),
+    "tanh": _unary("tanh"),
+    "silu": _unary("silu"),
+    "hardswish": _unary("hardswish"),
+    "hardsigmoid": _unary("hardsigmoid"),
+    "gelu": _unary("gelu", approximate="none"),
+    "gelu_tanh": _unary("gelu", approximate="tanh"),
+    "identity": _unary("identity"),
+    "add": _binary("add", (2, 6, 5, 3)),
+    "sub_alpha": _binary("sub", (2, 6, 5, 3), alpha=0.5),
+    "mul_channel": _binary("mul", (1, 6, 1, 1)),
+    "div_row": _binary("div", (3,)),
+    "add_scalar": _binary("add", None, scalar=1.5),
+    "rsub_scalar": _binary("sub", None, scalar=2.0, reverse=True),
+    "rdiv_scalar": _binary("div", None, scalar=3.0, reverse=True),
+    "se_scale": _se_block,
+    "residual_add_relu": _residual_add,
+    "maxpool_2x2": _pool("max_pool2d", (2, 3, 8, 6), **pool_attrs(2, 2)),
+    "maxpool_dilated": _pool("max_pool2d", (2, 3, 9, 8), **pool_attrs(3, 1, 1, d=2)),
+    "maxpool_ceil_edge": _pool("max_pool2d", (1, 3, 6, 6), **pool_attrs(3, 2, 1, ceil=True)),
+    "maxpool_window_gt_input": _pool("max_pool2d", (2, 3, 1, 1), **pool_attrs(3, 2, 1)),
+    "maxpool_2x2_input": _pool("max_pool2d", (2, 3, 2, 2), **pool_attrs(3, 1, 1)),
+    "avgpool_pad_include": _pool("avg_pool2d", (2, 3, 7, 5), **avg_attrs(3, 2, 1)),
+    "avgpool_pad_exclude": _pool("avg_pool2d", (2, 3, 7, 5), **avg_attrs(3, 2, 1, cip=False)),
+    "avgpool_ceil": _pool("avg_pool2d", (2, 3, 8, 7), **avg_attrs(3, 2, 1, ceil=True)),
+    "avgpool_divisor": _pool("avg_pool2d", (2, 3, 6, 6), **avg_attrs(2, 2, div=3)),
+    "avgpool_inception": _pool("avg_pool2d", (2, 5, 5, 5), **avg_attrs(3, 1, 1, cip=False)),
+    "adaptive_avg_1x1": _pool("adaptive_avg_pool2d", (2, 5, 7, 6), output_size=(1, 1)),
+    "adaptive_avg_3x2": _pool("adaptive_avg_pool2d", (2, 5, 7, 5), output_size=(3, 2)),
+    "adaptive_max_2x3": _pool("adaptive_max_pool2d", (2, 5, 5, 7), output_size=(2, 3)),
+    "adaptive_avg_upsample": _pool("adaptive_avg_pool2d", (1, 2, 2, 3), output_size=(5, 4)),
+    "maxpool_relu": _maxpool_act("relu", ()),
+    "maxpool_relu6": _maxpool_act("hardtanh", (("min_val", 0.0), ("max_val", 6.0))),
+    "mean_hw": _mean(False),
+    "mean_hw_keepdim": _mean(True),
+    "cat_pool": _cat,
+    "channel_shuffle": _shuffle,
+    "head_flatten": _head,
+    "softmax": _softmax("softmax"),
+    "log_softmax": _softmax("log_softmax"),
+    "depthwise_relu6": _depthwise(1, "hardtanh"),
+    "depthwise_stride2": _depthwise(2, None),
+    "depthwise_residual": _depthwise(1, None, residual=True),
+    "grouped_conv_relu": _grouped_conv,
+    "two_outputs": _two_outputs,
+}
+
+LAYOUTS = ("nchw", "nhwc")
+
+
+def inputs_for(graph: Graph, seed: int = 0, device: str = "cpu") -> list[torch.Tensor]:
+    """Seeded random inputs in each input's layout."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for v in graph.inputs:
+        t = graph.values[v]
+        x = torch.randn(t.shape, generator=gen)
+        if t.rank == 4 and t.layout == "nhwc":
+            x = x.contiguous(memory_format=torch.channels_last)
+        out.append(x.to(device))
+    return out
+
+
+def kernel_args(
+    graph: Graph, group_inputs: tuple[str, ...], inputs: list[torch.Tensor], device: str = "cpu"
+) -> list[torch.Tensor]:
+    """The kernel's input tensors: graph inputs as given, parameters from the graph."""
+    env = dict(zip(graph.inputs, inputs, strict=True))
+    args = []
+    for v in group_inputs:
+        if v in env:
+            args.append(env[v])
+        else:
+            args.append(torch.from_numpy(np.ascontiguousarray(graph.params[v])).to(device))
+    return args

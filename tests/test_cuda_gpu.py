@@ -1,0 +1,179 @@
+"""The CUDA backend on a real GPU: every case's kernel against PyTorch on the device, a
+launch on a side stream, and whole networks through ``optimize(model, device="cuda")``.
+
+Skipped, with the reason, where there is no CUDA device, no kernel loader (pycuda or
+cuda-python) or no CUDA compiler (nvcc or NVRTC).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from cuda_cases import CASES, LAYOUTS, inputs_for, kernel_args
+
+
+def _why_skip() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from middleware.backends.cuda.build import find_nvcc, nvrtc_available
+    from middleware.backends.cuda.loader import available_loaders
+
+    if not available_loaders():
+        return "no CUDA kernel loader (pip install 'middleware[cuda]' or cuda-python)"
+    if find_nvcc() is None and not nvrtc_available():
+        return "no CUDA compiler (nvcc or NVRTC)"
+    return ""
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_why_skip()), reason=_why_skip())]
+
+
+@pytest.fixture(scope="module")
+def hardware():
+    from middleware.hardware import detect_cuda
+
+    return detect_cuda(None, measure=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _exact_fp32():
+    """PyTorch's references in plain fp32 (no TF32 in cuDNN convolutions or matmuls)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory, hardware):
+    """A kernel cache with every case compiled up front, in parallel (build_many)."""
+    from middleware.backends.cuda.build import build_many, cubin_request
+    from middleware.backends.cuda.group import group_from_nodes
+    from middleware.backends.cuda.render import render_group
+
+    root = tmp_path_factory.mktemp("cuda-gpu-cache")
+    reqs = []
+    for case in sorted(CASES):
+        for layout in LAYOUTS:
+            graph, names = CASES[case](layout)
+            r = render_group(group_from_nodes(graph, names, name=case), hardware, emulate=False)
+            reqs.append(cubin_request(r.name, r.source, hardware.arch, ()))
+    for result in build_many(reqs, root):
+        assert not isinstance(result, Exception), str(result)
+    return root
+
+
+def _kernel(case, layout, hardware, cache_dir):
+    from middleware.backends.cuda.group import group_from_nodes
+    from middleware.backends.cuda.kernel import compile_cuda_group
+
+    graph, names = CASES[case](layout)
+    group = group_from_nodes(graph, names, name=case)
+    return graph, group, compile_cuda_group(group, hardware, cache_dir, torch.cuda.current_device())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_kernel_matches_pytorch(case, layout, hardware, cache_dir):
+    graph, group, kernel = _kernel(case, layout, hardware, cache_dir)
+    inputs = inputs_for(graph, seed=7, device="cuda")
+    expected = graph.evaluate(*inputs)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = kernel(*kernel_args(graph, group.inputs, inputs, device="cuda"))
+    got = got if isinstance(got, tuple) else (got,)
+    for g, e in zip(got, expected, strict=True):
+        assert g.device.type == "cuda"
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=f"{case}/{layout}")
+
+
+def test_gpu_kernel_runs_on_the_current_stream(hardware, cache_dir):
+    """Launched inside ``torch.cuda.stream(s)``, the kernel is ordered with PyTorch's work
+    on ``s``: a producer just before it and a reader just after it see consistent data."""
+    graph, group, kernel = _kernel("bn_relu_maxpool", "nhwc", hardware, cache_dir)
+    (x,) = inputs_for(graph, seed=1, device="cuda")
+    args = kernel_args(graph, group.inputs, [x], device="cuda")
+    expected = graph.evaluate(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        big = torch.randn(64, 1024, 1024, device="cuda")  # keep the stream busy first
+        big.mul_(2.0)
+        xs = args[0] * 1.0  # produced on s just before the launch
+        out = kernel(xs, *args[1:])
+        total = out.sum()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(total, expected.sum(), rtol=1e-4, atol=1e-3)
+
+
+class SmallNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        y = self.pool(torch.relu(self.bn1(self.conv1(x))))
+        z = nn.functional.hardswish(self.bn2(y)) + y
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(z, 1), 1))
+
+
+def _randomised(model: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2.0)
+    return model.eval()
+
+
+def test_optimize_on_cuda_runs_generated_kernels(tmp_path):
+    import middleware
+
+    model = _randomised(SmallNet()).cuda()
+    x = torch.randn(4, 3, 33, 31, device="cuda")
+    opt = middleware.optimize(model, device="cuda", cache_dir=tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-4)
+    rows = opt.report().rows
+    assert any(r.runs_as == "generated" for r in rows), str(opt.report())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("net", ["resnet18", "mobilenet_v3_small", "shufflenet_v2_x1_0"])
+def test_torchvision_network_on_cuda(net, tmp_path):
+    tvm = pytest.importorskip("torchvision.models")
+    import middleware
+
+    model = _randomised(getattr(tvm, net)()).cuda()
+    x = torch.randn(2, 3, 224, 224, device="cuda")
+    opt = middleware.optimize(model, device="cuda", cache_dir=tmp_path)
+    with torch.no_grad():
+        expected = model(x)
+        got = opt(x)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * max(1.0, scale))
+    assert any(r.runs_as == "generated" for r in opt.report().rows)
+
+
+def test_graphed_plan_replays_with_new_inputs(tmp_path):
+    """The plan captured as one CUDA graph gives the model's outputs for later inputs, and
+    outputs a caller keeps are not overwritten by the next replay."""
+    from middleware.backends.cuda.graphs import GraphedPlan
+
+    import middleware
+
+    model = _randomised(SmallNet()).cuda()
+    x = torch.randn(4, 3, 33, 31, device="cuda")
+    opt = middleware.optimize(model, device="cuda", example_inputs=(x,), cache_dir=tmp_path)
+    graphed = GraphedPlan(opt.plan, (x,))
+    with torch.no_grad():
+        x2, x3 = torch.randn_like(x), torch.randn_like(x)
+        y2 = graphed.run((x2,))
+        y3 = graphed.run((x3,))
+        torch.testing.assert_close(y2, model(x2), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y3, model(x3), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,130 @@
+"""The cuda.bindings loader's calls, checked against a stand-in driver module (no GPU):
+context set-up, module loading from the cubin bytes, and the kernelParams array that
+cuLaunchKernel reads (an array of pointers to each argument's value)."""
+
+from __future__ import annotations
+
+import ctypes
+import types
+
+import pytest
+from middleware.backends.cuda import loader as loader_mod
+
+from middleware.errors import DeviceError
+
+
+class FakeDriver:
+    """Records calls; returns (0, handle) tuples like cuda.bindings.driver."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.current = 0
+        self.launch_args: list[int] = []
+        self.fail_launch = False
+
+    def cuInit(self, flags):
+        return (0,)
+
+    def cuCtxGetCurrent(self):
+        return (0, self.current)
+
+    def cuDeviceGet(self, i):
+        return (0, 100 + i)
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        self.calls.append(("retain", dev))
+        return (0, 555)
+
+    def cuCtxSetCurrent(self, ctx):
+        self.current = ctx
+        return (0,)
+
+    def cuModuleLoadData(self, address):
+        self.calls.append(("load", ctypes.string_at(address, 4)))
+        return (0, "module")
+
+    def cuModuleGetFunction(self, module, name):
+        self.calls.append(("function", module, name))
+        return (0, "fn")
+
+    def CUstream(self, handle):
+        return ("stream", handle)
+
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        n = 3
+        slots = (ctypes.c_void_p * n).from_address(params)
+        self.launch_args = [ctypes.c_void_p.from_address(slots[i]).value for i in range(n)]
+        self.calls.append(("launch", f, gx, bx, smem, stream, extra))
+        return (1 if self.fail_launch else 0,)
+
+    def cuGetErrorString(self, err):
+        return (0, b"planted error")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    driver = FakeDriver()
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = driver
+    monkeypatch.setitem(__import__("sys").modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(__import__("sys").modules, "cuda.bindings.driver", driver)
+    return driver
+
+
+def test_cuda_bindings_loader_launches_with_a_pointer_array(fake):
+    ld = loader_mod.CudaBindingsLoader()
+    fn = ld.load(b"\x7fELF-cubin", "mw_kernel", 0)
+    assert ("retain", 100) in fake.calls and fake.current == 555
+    assert ("load", b"\x7fELF") in fake.calls
+    assert ("function", "module", b"mw_kernel") in fake.calls
+    ld.launch(fn, 7, 256, [0x1000, 0x2000, 0x3000], 42)
+    assert fake.launch_args == [0x1000, 0x2000, 0x3000]
+    assert ("launch", "fn", 7, 256, 0, ("stream", 42), 0) in fake.calls
+    ld.launch(fn, 1, 32, [0x4000, 0x5000, 0x6000], 0)  # arrays reused, values refreshed
+    assert fake.launch_args == [0x4000, 0x5000, 0x6000]
+
+
+def test_cuda_bindings_errors_name_the_call(fake):
+    ld = loader_mod.CudaBindingsLoader()
+    fn = ld.load(b"\x7fELF", "k", 0)
+    fake.fail_launch = True
+    with pytest.raises(DeviceError, match="cuLaunchKernel failed.*planted error"):
+        ld.launch(fn, 1, 32, [1, 2, 3], 0)
+
+
+def test_pycuda_loader_uses_the_primary_context_and_the_default_stream(monkeypatch):
+    import sys
+
+    calls = []
+
+    class Ctx:
+        def push(self):
+            calls.append("push")
+
+    class Device:
+        def __init__(self, i):
+            calls.append(("device", i))
+
+        def retain_primary_context(self):
+            return Ctx()
+
+    class Module:
+        def get_function(self, name):
+            def fn(*args, block, grid):
+                calls.append(("launch", [int(a) for a in args], block, grid))
+
+            return fn
+
+    drv = types.ModuleType("pycuda.driver")
+    drv.init = lambda: calls.append("init")
+    drv.Device = Device
+    drv.module_from_buffer = lambda data: calls.append(("load", data[:4])) or Module()
+    pycuda = types.ModuleType("pycuda")
+    pycuda.driver = drv
+    monkeypatch.setitem(sys.modules, "pycuda", pycuda)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", drv)
+    ld = loader_mod.PyCudaLoader()
+    fn = ld.load(b"\x7fELF...", "k", 1)
+    ld.launch(fn, 5, 128, [11, 22], 0)
+    assert calls[:4] == ["init", ("device", 1), "push", ("load", b"\x7fELF")]
+    assert calls[-1] == ("launch", [11, 22], (128, 1, 1), (5, 1, 1))
