@@ -85,10 +85,12 @@ def test_optimize_runs_io_group_generated(tmp_path):
     opt = middleware.optimize(m, device="cpu", example_inputs=[x], cache_dir=tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), m(x), atol=1e-5, rtol=1e-5)
-    rows = {r.op: r for r in opt.report().rows}
-    for op in ("batch_norm", "relu", "max_pool2d"):
-        assert rows[op].runs_as == "generated", rows[op]
-    assert rows["conv2d"].runs_as != "generated"
+    # after the passes (batch-norm folded into the conv, ReLU merged into the max-pool) every
+    # remaining I/O-bound node runs in a generated kernel; the conv runs in the vendor library
+    rows = opt.report().rows
+    io_rows = [r for r in rows if r.bound == "io"]
+    assert io_rows and all(r.runs_as == "generated" for r in io_rows), rows
+    assert all(r.runs_as != "generated" for r in rows if r.op == "conv2d")
 
 
 def test_fuse_false_turns_generation_off(tmp_path):
