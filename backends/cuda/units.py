@@ -26,9 +26,18 @@ from .elements import EMITTERS, why_unsupported
 from .group import KernelGroup, group_from_nodes
 
 
-def _is_io(n: Node) -> bool:
+def _is_io(n: Node, graph: Graph | None = None) -> bool:
+    """An io node this backend renders. A dense (non-depthwise) convolution is left to
+    cuDNN even when the roofline calls it io: one thread per output element would recompute
+    it for every element of every reader's window (squeezenet's stem fused this way ran
+    70x slower than eager on an H200)."""
     bound = n.bound or str(get_op(n.op).bound)
-    return bound == str(Bound.IO) and n.op in EMITTERS
+    if bound != str(Bound.IO) or n.op not in EMITTERS:
+        return False
+    if n.op == "conv2d" and graph is not None:
+        cin = graph.values[n.inputs[0]].shape[1]
+        return int(n.attrs.get("groups", 1)) == cin
+    return True
 
 
 def io_groups(graph: Graph) -> list[list[str]]:
@@ -42,12 +51,12 @@ def io_groups(graph: Graph) -> list[list[str]]:
     groups: list[list[str]] = []
     run: list[Node] = []
     for n in [*graph.nodes(), None]:
-        if n is not None and _is_io(n) and (not run or run[-1].group == n.group):
+        if n is not None and _is_io(n, graph) and (not run or run[-1].group == n.group):
             run.append(n)
             continue
         if run:
             groups.extend(_connected_parts(graph, run))
-        run = [n] if n is not None and _is_io(n) else []
+        run = [n] if n is not None and _is_io(n, graph) else []
     return groups
 
 
