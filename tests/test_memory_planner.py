@@ -256,7 +256,14 @@ def _randomize(m: torch.nn.Module) -> torch.nn.Module:
 def test_concat_slices_inplace_and_free_views() -> None:
     m = _randomize(_Inception())
     x = torch.randn(2, 4, 7, 7)
-    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    # batch-norm and relu stay separate nodes (folding and the vendor epilogue would merge
+    # them into the convs), so they offer the planner in-place writes over dead inputs
+    om = middleware.optimize(
+        m,
+        example_inputs=(x,),
+        measure_hardware=False,
+        disable_passes=["fold_batchnorm", "fuse_vendor_epilogue"],
+    )
     with torch.no_grad():
         torch.testing.assert_close(om(x), m(x), **TOL)
     kinds = [p.kind for p in om.plan.memory.placements.values()]
