@@ -48,33 +48,41 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self._live: dict[int, int] = {}  # storage key -> nbytes (I/O storages alive)
-        self._known: set[int] = set()  # pre-existing storages already classified
-        self._params: dict[int, int] = {}
+        self._live: dict[object, int] = {}  # storage key -> nbytes (I/O storages alive)
+        self._known: set[object] = set()  # pre-existing storages already classified
+        self._params: dict[object, int] = {}
         self.current = 0
         self.peak_io = 0
 
     @staticmethod
-    def _key(s: torch.UntypedStorage) -> int:
-        return s._cdata
+    def _storage(t: torch.Tensor) -> tuple[object, int, object]:
+        """(key, nbytes, owner) of ``t``'s memory; the bytes are freed with ``owner``.
+
+        An opaque oneDNN tensor (a prepacked weight) exposes no storage: it is keyed by the
+        tensor itself and counted as ``numel * element_size`` (oneDNN's blocked format may
+        pad a little beyond that)."""
+        if t.is_mkldnn:
+            return ("opaque", id(t)), t.numel() * t.element_size(), t
+        s = t.untyped_storage()
+        return s._cdata, s.nbytes(), s
 
     def add_io(self, tensors: Sequence[torch.Tensor]) -> None:
         """Count these existing tensors' storages as live I/O memory (until freed)."""
         for t in tensors:
-            self._track(t.untyped_storage())
+            self._track(t)
         for t in tensors:
-            self._known.add(self._key(t.untyped_storage()))
+            self._known.add(self._storage(t)[0])
 
-    def _track(self, s: torch.UntypedStorage) -> None:
-        key = self._key(s)
-        if key in self._live or key in self._known or s.nbytes() == 0:
+    def _track(self, t: torch.Tensor) -> None:
+        key, nbytes, owner = self._storage(t)
+        if key in self._live or key in self._known or nbytes == 0:
             return
-        self._live[key] = s.nbytes()
-        self.current += s.nbytes()
+        self._live[key] = nbytes
+        self.current += nbytes
         self.peak_io = max(self.peak_io, self.current)
-        weakref.finalize(s, self._free, key)
+        weakref.finalize(owner, self._free, key)
 
-    def _free(self, key: int) -> None:
+    def _free(self, key: object) -> None:
         self.current -= self._live.pop(key, 0)
 
     @property
@@ -85,15 +93,14 @@ class LiveStorageTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                key = self._key(s)
+                key, nbytes, _ = self._storage(t)
                 if key not in self._live and key not in self._known:
                     self._known.add(key)
-                    self._params[key] = s.nbytes()
+                    self._params[key] = nbytes
         out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._track(t.untyped_storage())
+                self._track(t)
         return out
 
 

@@ -254,6 +254,12 @@ OUT_FORMS: dict[str, Callable[[Node, Graph], OutForm | None]] = {
     "log_softmax": _softmax_out(True),
 }
 
+# Ops whose ATen ``out=`` kernel assumes a dense output: handed a strided view (a concat
+# slice) it restrides it (adaptive_avg_pool2d) or writes as if it were dense (softmax), so
+# a result lands in the wrong bytes. They write into a concat slice only where that slice
+# is dense.
+DENSE_OUT_ONLY = frozenset({"adaptive_avg_pool2d", "softmax", "log_softmax"})
+
 # Ops that may write their result over an input (elementwise, output shape = that input's
 # shape): which inputs may be overwritten. The out-form is called with that input as output.
 INPLACE_INPUTS: dict[str, tuple[int, ...]] = {
@@ -508,6 +514,8 @@ class _Planner:
         if len(u.outputs) != 1 or u.runs_as == "fallback":
             return False
         if self.forms[j] is not None and self.single[j] is None:  # a generated kernel
+            return _slice_contiguous(self.graph.values[dest], dim)
+        if self.forms[j] is not None and self.single[j].op in DENSE_OUT_ONLY:
             return _slice_contiguous(self.graph.values[dest], dim)
         return True
 

@@ -43,7 +43,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self.allocated_bytes = 0  # total ever created while active
-        self._live: dict[int, int] = {}  # storage data_ptr -> bytes
+        self._live: dict[object, int] = {}  # storage data_ptr (opaque: the tensor's id) -> bytes
 
     def __torch_dispatch__(
         self,
@@ -59,22 +59,28 @@ class LiveStorageTracker(TorchDispatchMode):
         return out
 
     def _track(self, t: torch.Tensor) -> None:
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # opaque layouts (mkldnn) carry none
+        if t.is_mkldnn:  # an opaque oneDNN tensor exposes no storage: count its elements
+            key: object = ("opaque", id(t))
+            nbytes, owner = t.numel() * t.element_size(), t
+        else:
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # other layouts without a storage
+                return
+            key, nbytes, owner = storage.data_ptr(), storage.nbytes(), storage
+            if key == 0:
+                return
+        if nbytes == 0 or key in self._live:
             return
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if ptr == 0 or nbytes == 0 or ptr in self._live:
-            return
-        self._live[ptr] = nbytes
+        self._live[key] = nbytes
         self.live_bytes += nbytes
         self.allocated_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(storage, self._free, ptr, nbytes)
+        weakref.finalize(owner, self._free, key, nbytes)
 
-    def _free(self, ptr: int, nbytes: int) -> None:
-        if self._live.get(ptr) == nbytes:
-            del self._live[ptr]
+    def _free(self, key: object, nbytes: int) -> None:
+        if self._live.get(key) == nbytes:
+            del self._live[key]
             self.live_bytes -= nbytes
 
 

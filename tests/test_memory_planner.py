@@ -256,7 +256,14 @@ def _randomize(m: torch.nn.Module) -> torch.nn.Module:
 def test_concat_slices_inplace_and_free_views() -> None:
     m = _randomize(_Inception())
     x = torch.randn(2, 4, 7, 7)
-    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    # batch-norm and relu stay separate nodes (folding and the vendor epilogue would merge
+    # them into the convs), so they offer the planner in-place writes over dead inputs
+    om = middleware.optimize(
+        m,
+        example_inputs=(x,),
+        measure_hardware=False,
+        disable_passes=["fold_batchnorm", "fuse_vendor_epilogue"],
+    )
     with torch.no_grad():
         torch.testing.assert_close(om(x), m(x), **TOL)
     kinds = [p.kind for p in om.plan.memory.placements.values()]
@@ -326,3 +333,31 @@ def test_networks_match_pytorch_with_planning(name: str) -> None:
         y = om(x)
     scale = ref.abs().max().item()
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * max(scale, 1.0))
+
+
+class _PooledHeads(torch.nn.Module):
+    """Global pools and a softmax straight into concats, batch 2: their concat slices are
+    strided views, which ATen's adaptive_avg_pool2d / softmax ``out=`` kernels mishandle."""
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        pool = torch.nn.functional.adaptive_avg_pool2d
+        a = pool(x.relu(), 1)
+        b = pool(x.sigmoid(), 2)
+        c = torch.softmax(x.tanh(), 1)
+        return torch.cat([a, pool(b, 1)], 1), torch.cat([c, x.relu()], 1)
+
+
+@pytest.mark.parametrize("layout", ["auto", "nchw"])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_dense_only_out_kernels_not_written_into_strided_slices(fmt, layout) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    m = _PooledHeads().eval()
+    x = torch.randn(2, 6, 5, 5).contiguous(memory_format=fmt)
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, layout=layout)
+    with torch.no_grad():
+        torch.testing.assert_close(om(x), m(x), **TOL)
+        torch.testing.assert_close(om(x), m(x), **TOL)  # a second call reuses the arena
+    for name, p in om.plan.memory.placements.items():
+        node = om.graph.producer(name)
+        if p.kind == "slice" and node is not None:
+            assert node.op not in ("adaptive_avg_pool2d", "softmax"), (name, p)

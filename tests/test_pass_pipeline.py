@@ -20,6 +20,7 @@ EXPECTED = [
     "pool_before_concat",
     "merge_pool_relu",
     "fuse_vendor_epilogue",
+    "layout",
     "classify",
     "group",
 ]
@@ -94,12 +95,13 @@ def test_disable_passes_and_debug_dir(tmp_path):
         "003_merge_concat.txt",
         "004_pool_before_concat.txt",
         "006_fuse_vendor_epilogue.txt",
-        "007_classify.txt",
-        "008_group.txt",
+        "007_layout.txt",
+        "008_classify.txt",
+        "009_group.txt",
     ]
     ops = [n.op for n in om.graph.nodes()]
     assert "batch_norm" in ops and "maxpool_relu" not in ops
-    assert "[io g" in (debug / "008_group.txt").read_text()
+    assert "[io g" in (debug / "009_group.txt").read_text()
     assert set(om.graph.meta["pass_times"]) == set(EXPECTED) - {"fold_batchnorm", "merge_pool_relu"}
 
 

@@ -239,6 +239,19 @@ def test_live_storage_tracker_counts_live_storages() -> None:
     assert t.live_bytes == 0
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_live_storage_tracker_counts_opaque_tensors() -> None:
+    from middleware.runtime.memtrack import LiveStorageTracker
+
+    dense = torch.randn(10, 20)
+    with LiveStorageTracker() as t:
+        packed = dense.to_mkldnn()  # an opaque oneDNN tensor: no storage, 800 bytes
+        assert t.live_bytes == 800
+        del packed
+        assert t.live_bytes == 0
+    assert t.peak_bytes == 800
+
+
 def test_measure_peak_on_cpu() -> None:
     from middleware.runtime.memtrack import measure_peak
 
