@@ -51,7 +51,10 @@ def make_pipeline(hardware: Hardware, layout: str = "auto") -> list[tuple[str, P
         ("canonicalize", canonicalize),
         ("fold_batchnorm", fold_batchnorm),
         ("merge_concat", merge_concat),
-        ("pool_before_concat", pool_before_concat),
+        # shared=True: also a pooling whose concat other ops read (googlenet's and
+        # inception_v3's branch poolings); in a fused group the pooled parts are written
+        # straight into their slices, so reading the parts costs what reading the concat did
+        ("pool_before_concat", functools.partial(pool_before_concat, shared=True)),
         ("merge_pool_relu", merge_pool_relu),
         ("fuse_vendor_epilogue", functools.partial(fuse_vendor_epilogue, hardware=hardware)),
         ("layout", functools.partial(assign_layout, hardware=hardware, layout=layout)),
