@@ -183,13 +183,18 @@ def _conv2d(node: Node) -> Kernel:
     residual = bool(node.attrs.get("residual", False))
     has_bias = len(node.inputs) - int(residual) == 3
     act = post_op_fn(node)
+    # ``output_layout="nhwc"``: the result is stored channels_last whatever the input's
+    # layout (the layout pass lets a network's first convolution read an NCHW input
+    # directly, as oneDNN does with a prepacked weight, instead of converting the input)
+    out_cl = node.attrs.get("output_layout") == "nhwc"
 
     def conv2d(x, w, *rest):
         b = rest[0] if has_bias else None
         y = torch.conv2d(x, w, b, stride, padding, dilation, groups)
         if residual:
             y = y + rest[-1]
-        return act(y) if act is not None else y
+        y = act(y) if act is not None else y
+        return y.contiguous(memory_format=torch.channels_last) if out_cl else y
 
     return conv2d
 

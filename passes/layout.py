@@ -133,7 +133,10 @@ def assign_layout(graph: Graph, hardware: Hardware | None = None, layout: str = 
     for v in graph.inputs:
         t = graph.values[v]
         if t.rank == 4 and t.layout != mode:
-            out.alias[v] = out.convert(v, mode, declared=t.layout, base=v)
+            if _only_conv_reads(graph, v, hardware, mode):
+                out.direct.add(v)  # the convolutions read it as it is (no copy)
+            else:
+                out.alias[v] = out.convert(v, mode, declared=t.layout, base=v)
     # 4-d outputs come back in the memory format PyTorch would give them: channels_last
     # when a 4-d input came channels_last, else contiguous
     user = "nhwc" if any(graph.values[v].layout == "nhwc" for v in graph.inputs) else "nchw"
@@ -156,6 +159,27 @@ def assign_layout(graph: Graph, hardware: Hardware | None = None, layout: str = 
     g.set_outputs(map_tree(tree, lambda v: final.get(v, v)))
     g.meta["layout"] = mode
     return g
+
+
+def _only_conv_reads(graph: Graph, v: str, hardware: Hardware | None, mode: str) -> bool:
+    """On the CPU, a graph input read only as the data input of convolutions with constant
+    weights needs no conversion: oneDNN with a prepacked weight reads NCHW and writes
+    channels_last (conv2d's ``output_layout`` attr), which saves a full copy of the input
+    in time and in peak memory."""
+    if mode != "nhwc" or (hardware is not None and hardware.kind != "cpu"):
+        return False
+    readers = graph.consumers(v)
+    return (
+        bool(readers)
+        and all(
+            r.op == "conv2d"
+            and r.inputs[0] == v
+            and v not in r.inputs[1:]
+            and r.inputs[1] in graph.params
+            for r in readers
+        )
+        and v not in graph.output_values()
+    )
 
 
 def channel_shuffle_chain(graph: Graph, first: Node) -> list[Node] | None:
@@ -200,6 +224,7 @@ class _Builder:
         self.nodes: list[tuple[Node, list[TensorType]]] = []
         self.values: dict[str, TensorType] = dict(graph.values)
         self.alias: dict[str, str] = {}  # original value -> the value its readers read
+        self.direct: set[str] = set()  # inputs convolutions read without a conversion
         self._converted: dict[tuple[str, str], str] = {}
         self._taken: set[str] = set(graph.values) | {n.name for n in graph.nodes()}
 
@@ -282,10 +307,15 @@ class _Builder:
         else:
             want_in = want_out = "nchw"
         weights = WEIGHT_INPUTS.get(n.op, frozenset())
+        if n.op == "conv2d" and n.inputs[0] in self.direct and want_out == "nhwc":
+            n = n.replace(attrs={**n.attrs, "output_layout": "nhwc"})
         ins = []
         for i, v in enumerate(n.inputs):
             v = self.current(v)
             t = self.values[v]
+            if i == 0 and v in self.direct:
+                ins.append(v)
+                continue
             if t.rank == 4 and want_in is not None and i not in weights and t.layout != want_in:
                 if not orders_coincide(t) or n.op in STRIDE_STRICT:
                     v = self.convert(v, want_in)
