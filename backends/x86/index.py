@@ -4,13 +4,13 @@ The kernel cache (``backends/cache.py``) is keyed by the generated source, so fi
 binary there costs the islpy schedule and the render of its group. The index sits in front
 of it: ``<cache_dir>/index/<group key>.json`` maps a key computed cheaply from the group
 itself (:func:`group_key`) to what loading the kernel needs (:class:`IndexRecord`): the
-kernel cache folder and key, the C function name, the argument values with their memory
+kernel cache request's name and key, the C function name, the argument values with their memory
 layouts, and the output's shape and layout. A group the scheduler rejected is recorded too
 (``kind == "not_fusable"``), so that a warm start does not schedule it again to find out.
 
 The group key hashes everything the schedule and the source depend on: the group's nodes
-(every field but the payload: name, op, inputs, outputs, attrs, bound, group, source), the
-``TensorType`` of every value they touch, which produced values escape the group (read
+(name, op, inputs, outputs, attrs, bound, group, source; a node with a payload is not
+indexed), the ``TensorType`` of every value they touch, which produced values escape the group (read
 outside it or graph outputs), a sha256 of the bytes of every parameter they read (batch-norm
 constants are baked into the source), ``Options.codegen_key()``, ``Hardware.key()``, the
 package version, :data:`CODEGEN_VERSION`, a hash of the codegen's own source files (so that
@@ -80,7 +80,6 @@ class IndexRecord:
 
 
 _codegen_digest: str | None = None
-_param_digests: dict[tuple[int, str], tuple[Any, str]] = {}  # (id(graph.params), name) -> ...
 _records: dict[tuple[str, str], IndexRecord] = {}  # (index folder, key) -> record read
 _lock = threading.Lock()
 
@@ -105,21 +104,6 @@ def _array_digest(a: Any) -> str:
     h = hashlib.sha256(f"{a.dtype}|{a.shape}|".encode())
     h.update(a.tobytes())
     return h.hexdigest()
-
-
-def _param_digest(graph: Graph, name: str) -> str:
-    """sha256 of a parameter's bytes, memoised per (params dict, name) while the array object
-    is the same one."""
-    arr = graph.params[name]
-    memo_key = (id(graph.params), name)
-    with _lock:
-        memo = _param_digests.get(memo_key)
-    if memo is not None and memo[0] is arr:
-        return memo[1]
-    digest = _array_digest(arr)
-    with _lock:
-        _param_digests[memo_key] = (arr, digest)
-    return digest
 
 
 def _canon(x: Any) -> Any:
@@ -170,7 +154,7 @@ def group_key(
                 t = graph.values[v]
                 values[v] = [list(t.shape), t.dtype, t.layout]
             if v in graph.params and v not in params:
-                params[v] = _param_digest(graph, v)
+                params[v] = _array_digest(graph.params[v])
     escapes = sorted(
         v
         for n in names
