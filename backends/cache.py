@@ -272,6 +272,17 @@ class KernelCache:
         hit, _reason = self._check(req, key)
         return hit
 
+    def lookup_key(self, name: str, key: str, binary_name: str, suffix: str) -> CachedKernel | None:
+        """The verified kernel of a request named ``name`` whose key was ``key`` (as
+        :meth:`lookup`, for a caller that recorded the key instead of keeping the request):
+        the binary must be present and match ``meta.json``, which must name ``key``."""
+        try:
+            req = BuildRequest(name, "", suffix, ("true",), binary_name, "")
+        except ValueError:
+            return None
+        hit, _reason = self._check(req, key)
+        return hit
+
     def _check(self, req: BuildRequest, key: str) -> tuple[CachedKernel | None, str]:
         """(verified hit, "") or (None, why the folder's content is unusable; "" on a miss)."""
         folder = self.folder(req, key)

@@ -21,6 +21,7 @@ from ...hardware import Hardware
 from ...loops import NotFusable
 from ...options import Options
 from ...passes.schedule import Schedule, schedule_group
+from . import index
 from .cfuncs import UNSUPPORTED_ISPC
 from .compile import Built, build_c, build_ispc
 from .render import render_c, render_ispc
@@ -36,7 +37,7 @@ class GeneratedKernel:
     fn: Callable[..., Any]
     out_fn: Callable[..., None]
     source_path: Path
-    schedule: Schedule
+    schedule: Schedule | None  # None when loaded through the group index
     compiled: bool
 
 
@@ -54,14 +55,25 @@ def make_callables(
 ) -> tuple[Callable[..., Any], Callable[..., None]]:
     """The two Python call forms over a ctypes function, with the per-call work kept to
     data_ptr() ints (inputs in another memory order are made contiguous first)."""
-    in_formats = []
+    ins = []
     for name in schedule.inputs:
         b = schedule.buffer(name)
-        in_formats.append(_memory_format(b.layout, len(b.torch_shape)))
+        ins.append((b.layout, len(b.torch_shape)))
     (out_name,) = schedule.outputs
     ob = schedule.buffer(out_name)
-    out_shape = tuple(ob.torch_shape)
-    out_format = _memory_format(ob.layout, len(out_shape))
+    return _callables(cfunc, schedule.name, ins, ob.layout, tuple(ob.torch_shape))
+
+
+def _callables(
+    cfunc: Any,
+    name: str,
+    ins: Sequence[tuple[str, int]],
+    out_layout: str,
+    out_shape: tuple[int, ...],
+) -> tuple[Callable[..., Any], Callable[..., None]]:
+    """make_callables from plain data: (layout, rank) per input, the output's layout/shape."""
+    in_formats = [_memory_format(layout, rank) for layout, rank in ins]
+    out_format = _memory_format(out_layout, len(out_shape))
     nin = len(in_formats)
 
     def prepare(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -75,12 +87,12 @@ def make_callables(
         xs = prepare(args[:nin])
         out = args[nin]
         if not out.is_contiguous(memory_format=out_format):
-            raise ValueError(f"{schedule.name}: output tensor is not in {ob.layout} order")
+            raise ValueError(f"{name}: output tensor is not in {out_layout} order")
         cfunc(*[x.data_ptr() for x in xs], out.data_ptr())
 
     def fn(*xs: torch.Tensor) -> torch.Tensor:
         if len(xs) != nin:
-            raise TypeError(f"{schedule.name} takes {nin} inputs, got {len(xs)}")
+            raise TypeError(f"{name} takes {nin} inputs, got {len(xs)}")
         xs = prepare(xs)  # type: ignore[assignment]
         out = torch.empty(out_shape, device=xs[0].device, memory_format=out_format)
         cfunc(*[x.data_ptr() for x in xs], out.data_ptr())
@@ -94,17 +106,84 @@ class X86Backend:
 
     name = "x86"
     stages = ("schedule", "render", "compile", "load")
+    use_index = True  # consult the group index (backends/x86/index.py) before scheduling
 
-    def can_run(self, graph: Graph, nodes: Sequence[str], hardware: Hardware) -> tuple[bool, str]:
-        """Whether a group can be generated, and if not, why."""
+    def can_run(
+        self,
+        graph: Graph,
+        nodes: Sequence[str],
+        hardware: Hardware,
+        options: Options | None = None,
+    ) -> tuple[bool, str]:
+        """Whether a group can be generated, and if not, why. With ``options`` the group
+        index answers for a group seen before (and records the answer otherwise)."""
         for n in nodes:
             if graph.values[graph.node(n).outputs[0]].dtype != "float32":
                 return False, f"{n}: only float32 is generated"
+        key = self._index_key(graph, nodes, options, hardware)
+        if key is not None:
+            assert options is not None
+            rec = index.get(options.cache_dir, key)
+            if rec is not None:
+                return (rec.kind == "kernel", rec.why)
         try:
             self.schedule(graph, nodes, hardware)
         except NotFusable as e:
+            if key is not None:
+                assert options is not None
+                index.put(options.cache_dir, key, index.IndexRecord("not_fusable", why=str(e)))
             return False, str(e)
         return True, ""
+
+    def _index_key(
+        self, graph: Graph, nodes: Sequence[str], options: Options | None, hardware: Hardware
+    ) -> str | None:
+        if not self.use_index or options is None:
+            return None
+        try:
+            return index.group_key(graph, nodes, options, hardware)
+        except Exception:  # noqa: BLE001 - the index is a shortcut; without a key, no shortcut
+            return None
+
+    def _load_indexed(self, key: str, options: Options) -> GeneratedKernel | None:
+        """The kernel the index records under ``key`` once the cache verified its binary."""
+        rec = index.get(options.cache_dir, key)
+        if rec is None or rec.kind != "kernel":
+            return None
+        kernel = index.verified_kernel(options.cache_dir, rec)
+        if kernel is None:
+            index.forget(options.cache_dir, key)
+            return None
+        try:
+            cfunc = self._cfunc(kernel.binary, rec.function, len(rec.inputs) + 1)
+        except (OSError, AttributeError):
+            index.forget(options.cache_dir, key)
+            return None
+        out_value, out_layout, out_shape = rec.output
+        fn, out_fn = _callables(
+            cfunc, rec.function, [(lay, r) for _, lay, r in rec.inputs], out_layout, out_shape
+        )
+        return GeneratedKernel(
+            rec.function,
+            tuple(v for v, _, _ in rec.inputs),
+            (out_value,),
+            fn,
+            out_fn,
+            kernel.source_path,
+            None,
+            False,
+        )
+
+    @staticmethod
+    def _cfunc(binary: Path, function: str, nargs: int) -> Any:
+        lib = _LIBS.get(binary)
+        if lib is None:
+            lib = ctypes.CDLL(str(binary))
+            _LIBS[binary] = lib
+        cfunc = getattr(lib, function)
+        cfunc.restype = None
+        cfunc.argtypes = [ctypes.c_void_p] * nargs
+        return cfunc
 
     def schedule(self, graph: Graph, nodes: Sequence[str], hardware: Hardware) -> Schedule:
         return schedule_group(graph, nodes, hardware)
@@ -132,13 +211,8 @@ class X86Backend:
         )
 
     def load(self, schedule: Schedule, built: Built, graph: Graph) -> GeneratedKernel:
-        lib = _LIBS.get(built.binary)
-        if lib is None:
-            lib = ctypes.CDLL(str(built.binary))
-            _LIBS[built.binary] = lib
-        cfunc = getattr(lib, schedule.name)
-        cfunc.restype = None
-        cfunc.argtypes = [ctypes.c_void_p] * (len(schedule.inputs) + len(schedule.outputs))
+        nargs = len(schedule.inputs) + len(schedule.outputs)
+        cfunc = self._cfunc(built.binary, schedule.name, nargs)
         fn, out_fn = make_callables(cfunc, schedule, graph)
         return GeneratedKernel(
             schedule.name,
@@ -154,11 +228,45 @@ class X86Backend:
     def build(
         self, graph: Graph, nodes: Sequence[str], options: Options, hardware: Hardware
     ) -> GeneratedKernel:
-        """All stages in order; raises NotFusable or CompileError."""
-        schedule = self.schedule(graph, nodes, hardware)
+        """All stages in order; raises NotFusable or CompileError. A group the index knows
+        (same key, verified binary) is loaded without scheduling, rendering or compiling."""
+        key = self._index_key(graph, nodes, options, hardware)
+        if key is not None:
+            kernel = self._load_indexed(key, options)
+            if kernel is not None:
+                return kernel
+        try:
+            schedule = self.schedule(graph, nodes, hardware)
+        except NotFusable as e:
+            if key is not None:
+                index.put(options.cache_dir, key, index.IndexRecord("not_fusable", why=str(e)))
+            raise
         source = self.render(schedule)
         built = self.compile(schedule, source, options, hardware)
-        return self.load(schedule, built, graph)
+        kernel = self.load(schedule, built, graph)
+        if key is not None and built.cache_key:
+            index.put(options.cache_dir, key, _record(schedule, built))
+        return kernel
+
+
+def _record(schedule: Schedule, built: Built) -> index.IndexRecord:
+    """The index record of a kernel just built from ``schedule``."""
+    ins = []
+    for n in schedule.inputs:
+        b = schedule.buffer(n)
+        ins.append((b.value, b.layout, len(b.torch_shape)))
+    (out_name,) = schedule.outputs
+    ob = schedule.buffer(out_name)
+    return index.IndexRecord(
+        "kernel",
+        function=schedule.name,
+        request_name=built.request_name,
+        cache_key=built.cache_key,
+        binary_name=built.binary.name,
+        suffix=built.source_path.suffix,
+        inputs=tuple(ins),
+        output=(ob.value, ob.layout, tuple(ob.torch_shape)),
+    )
 
 
 class IspcBackend(X86Backend):
@@ -166,11 +274,18 @@ class IspcBackend(X86Backend):
     the tiles; available when a real ``ispc`` binary is on PATH."""
 
     name = "ispc"
+    use_index = False  # the index records C kernels only
 
-    def can_run(self, graph: Graph, nodes: Sequence[str], hardware: Hardware) -> tuple[bool, str]:
+    def can_run(
+        self,
+        graph: Graph,
+        nodes: Sequence[str],
+        hardware: Hardware,
+        options: Options | None = None,
+    ) -> tuple[bool, str]:
         if shutil.which("ispc") is None:
             return False, "no ispc binary on PATH"
-        ok, why = super().can_run(graph, nodes, hardware)
+        ok, why = super().can_run(graph, nodes, hardware, options)
         if not ok:
             return ok, why
         try:

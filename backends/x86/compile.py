@@ -26,6 +26,8 @@ class Built:
     source_path: Path
     compiled: bool
     command: tuple[str, ...]
+    request_name: str = ""  # the cache request's name and key (for the group index)
+    cache_key: str = ""
 
 
 def _fill(command: tuple[str, ...], folder: Path, source: Path, binary: Path) -> tuple[str, ...]:
@@ -50,7 +52,12 @@ def build_c(
     req = c_build_request(name, source, meta=meta or {}, key_extra=key_extra)
     k = kernel_cache(Path(cache_dir)).build(req)
     return Built(
-        k.binary, k.source_path, k.compiled, _fill(req.command, k.folder, k.source_path, k.binary)
+        k.binary,
+        k.source_path,
+        k.compiled,
+        _fill(req.command, k.folder, k.source_path, k.binary),
+        req.name,
+        k.key,
     )
 
 
@@ -66,5 +73,10 @@ def build_ispc(
     req = ispc_build_request(name, ispc_source, glue_source, meta=meta or {}, key_extra=key_extra)
     k = kernel_cache(Path(cache_dir)).build(req)
     return Built(
-        k.binary, k.source_path, k.compiled, _fill(req.command, k.folder, k.source_path, k.binary)
+        k.binary,
+        k.source_path,
+        k.compiled,
+        _fill(req.command, k.folder, k.source_path, k.binary),
+        req.name,
+        k.key,
     )

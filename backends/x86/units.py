@@ -100,7 +100,7 @@ def fusion_units(
     failed: dict[str, str] = {}
     for group in io_groups(graph):
         candidates = [group]
-        ok, why = backend.can_run(graph, group, hardware)
+        ok, why = backend.can_run(graph, group, hardware, options)
         if not ok:
             candidates = []
             for run in _runs(graph, group):
