@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from ...errors import CompileError
 from ...graph import Graph
 from ...hardware import Hardware
-from ...loops import RULES, VIEWS, NotFusable
+from ...loops import RULES, VIEWS, NotFusable, loops_of
 from ...ops import get_op
 from ...options import Options
 from ...runtime.plan import Unit
@@ -53,11 +53,24 @@ def io_groups(graph: Graph) -> list[list[str]]:
     return out
 
 
+def _has_loops(graph: Graph, name: str) -> bool:
+    """The node has loop semantics for these attributes and shapes (a dense convolution
+    classified io, say, has none: it splits its group)."""
+    node = graph.node(name)
+    if node.op not in RULES:
+        return False
+    try:
+        loops_of(graph, node)
+    except NotFusable:
+        return False
+    return True
+
+
 def _runs(graph: Graph, names: Sequence[str]) -> list[list[str]]:
     """Maximal runs of consecutive nodes that have loop semantics."""
     runs, cur = [], []
     for n in names:
-        if graph.node(n).op in RULES:
+        if _has_loops(graph, n):
             cur.append(n)
         else:
             if cur:
