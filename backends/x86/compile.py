@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ..cache import kernel_cache
+from ..cache import BuildRequest, kernel_cache
 from .build import C_FLAGS, c_build_request, ispc_build_request
 
 __all__ = ["C_FLAGS", "Built", "build_c", "build_ispc"]
@@ -40,6 +40,19 @@ def _fill(command: tuple[str, ...], folder: Path, source: Path, binary: Path) ->
     return tuple(out)
 
 
+def _build(req: BuildRequest, cache_dir: Path) -> Built:
+    """Build ``req`` through the kernel cache and describe the result."""
+    k = kernel_cache(Path(cache_dir)).build(req)
+    return Built(
+        k.binary,
+        k.source_path,
+        k.compiled,
+        _fill(req.command, k.folder, k.source_path, k.binary),
+        req.name,
+        k.key,
+    )
+
+
 def build_c(
     name: str,
     source: str,
@@ -50,15 +63,7 @@ def build_c(
     """Compile ``source`` (or find it in the cache); raises CompileError with the compiler's
     stderr, the command and the source path."""
     req = c_build_request(name, source, meta=meta or {}, key_extra=key_extra)
-    k = kernel_cache(Path(cache_dir)).build(req)
-    return Built(
-        k.binary,
-        k.source_path,
-        k.compiled,
-        _fill(req.command, k.folder, k.source_path, k.binary),
-        req.name,
-        k.key,
-    )
+    return _build(req, cache_dir)
 
 
 def build_ispc(
@@ -71,12 +76,4 @@ def build_ispc(
 ) -> Built:
     """Compile an ISPC kernel and its OpenMP C glue into one shared library (two steps)."""
     req = ispc_build_request(name, ispc_source, glue_source, meta=meta or {}, key_extra=key_extra)
-    k = kernel_cache(Path(cache_dir)).build(req)
-    return Built(
-        k.binary,
-        k.source_path,
-        k.compiled,
-        _fill(req.command, k.folder, k.source_path, k.binary),
-        req.name,
-        k.key,
-    )
+    return _build(req, cache_dir)
