@@ -306,6 +306,18 @@ def _cpu_conv(graph: Graph, node: Node) -> Kernel | None:
         )  # fmt: skip
         return y if after is None else after(y)
 
+    binary_ = torch.ops.mkldnn._convolution_pointwise_.binary
+
+    def conv_add_into_residual(x, _w, *rest):
+        # the same call writing over the residual (the buffer planner uses it when the
+        # residual dies here): no output allocation
+        y = binary_(
+            rest[-1], x, w, bias, padding, stride, dilation, groups, "add", None, unary,
+            u_scalars, u_alg,
+        )  # fmt: skip
+        return y if after is None else after(y)
+
+    conv_add.into_residual = conv_add_into_residual  # type: ignore[attr-defined]
     return conv_add
 
 
