@@ -324,29 +324,13 @@ def _measure_peak_cuda(fn, inputs, persistent_io, params) -> tuple[int, int]:  #
     return _unique_bytes(params), peak + resident
 
 
-def _step_times(plan: Any, inputs: Sequence[torch.Tensor], repeats: int) -> list[float]:
-    """Median milliseconds of each step of ``plan`` (runs the plan step by step)."""
-    device = inputs[0].device if inputs else torch.device("cpu")
-    per_step: list[list[float]] = [[] for _ in plan._program]
-    with torch.no_grad():
-        for _ in range(repeats):
-            env = list(plan._template)
-            for s, x in zip(plan.input_slots, inputs, strict=True):
-                env[s] = x
-            for k, (fn, ins, outs, multi, frees) in enumerate(plan._program):
-                _sync(device)
-                t0 = time.perf_counter()
-                r = fn(*[env[i] for i in ins])
-                _sync(device)
-                per_step[k].append((time.perf_counter() - t0) * 1e3)
-                if multi:
-                    for o, v in zip(outs, r, strict=True):
-                        env[o] = v
-                else:
-                    env[outs[0]] = r
-                for f in frees:
-                    env[f] = None
-    return [statistics.median(t) for t in per_step]
+def _out_bytes(plan: Any, step: Any) -> int:
+    """Bytes of a step's outputs at the batch that step runs at."""
+    for p in getattr(plan, "prefix", None), getattr(plan, "suffix", None), plan:
+        if p is not None and hasattr(p, "slot_of") and step in p.steps:
+            names = {s: v for v, s in p.slot_of.items()}
+            return sum(p.graph.values[names[s]].nbytes for s in step.outs)
+    return 0
 
 
 def profile(
@@ -378,8 +362,8 @@ def profile(
     model_params = list(model.parameters()) + list(model.buffers())
     o_param, o_peak = measure_peak(model, inputs, params=model_params)
     plan = optimized.plan if optimized._fallback_reason is None else None
-    arena = [plan.arena] if plan is not None and plan.arena is not None else []
-    plan_params = [t for t in (plan._template if plan else []) if isinstance(t, torch.Tensor)]
+    arena = plan.arenas() if plan is not None else []
+    plan_params = plan.param_tensors() if plan is not None else []
     p_param, p_peak = measure_peak(
         optimized, inputs, persistent_io=arena, params=plan_params or model_params
     )
@@ -391,14 +375,11 @@ def profile(
     planned = None
     arena_bytes = 0
     if plan is not None:
-        times = _step_times(plan, inputs, max(1, min(repeats, 3)))
+        with torch.no_grad():
+            times = plan.step_times(inputs, max(1, min(repeats, 3)))
         graph = plan.graph
-        memory = plan.memory
-        for st, ms in zip(plan.steps, times, strict=True):
-            outs = [v for v, s in plan.slot_of.items() if s in st.outs]
-            place = "-"
-            if memory is not None and outs:
-                place = memory.placements[outs[0]].kind
+        notes.extend(plan.notes)
+        for st, ms, place in zip(plan.steps, times, plan.step_placements(), strict=True):
             groups.append(
                 GroupProfile(
                     step=st.name,
@@ -406,12 +387,12 @@ def profile(
                     nodes=st.nodes,
                     ops=tuple(graph.node(n).op for n in st.nodes),
                     time_ms=ms,
-                    out_bytes=sum(graph.values[v].nbytes for v in outs),
+                    out_bytes=_out_bytes(plan, st),
                     placement=place,
                 )
             )
-        if memory is not None:
-            planned, arena_bytes = memory.predicted_peak_io(), memory.arena_bytes
+        planned, arena_bytes = plan.predicted_peak_io(), plan.arena_bytes
+        if planned is not None:
             gap = abs(p_peak - planned) / max(planned, 1)
             if gap > PLAN_TOLERANCE:
                 msg = (

@@ -22,7 +22,9 @@ value lives:
   last use;
 - ``fresh``: anything the user receives (graph outputs and everything aliased with them)
   gets a fresh framework allocation on every call, so a later call never overwrites a
-  tensor the user holds. Graph inputs and parameters are never written.
+  tensor the user holds. Graph inputs and parameters are never written;
+- ``owned``: a graph input that the caller hands over to the plan (the cut values of a
+  batch-chunked plan, runtime/chunked.py): it dies at its last read like a vendor value.
 
 The arena is one ``torch.empty(nbytes, dtype=torch.uint8)`` on the plan's device, made
 when the plan is built; the wrapped step functions hold views of it, so it lives exactly as
@@ -323,7 +325,11 @@ class MemoryPlan:
     def vendor_peak_bytes(self) -> int:
         """The most bytes of framework-allocated values (vendor and fresh) live at one unit,
         as the plan predicts them."""
-        own = {c for c, p in self.placements.items() if p.kind in ("vendor", "fresh", "spilled")}
+        own = {
+            c
+            for c, p in self.placements.items()
+            if p.kind in ("vendor", "fresh", "spilled", "owned")
+        }
         own = {c: 0 for c in own if c in self.intervals}
         return max(
             (self._live_at(i, own) + self.temps.get(i, 0) for i in range(self.n_units)),
@@ -423,6 +429,7 @@ class _Planner:
         self.kind: dict[str, str] = {v: "input" for v in graph.inputs}
         self.kind.update({p: "param" for p in graph.params})
         self.inplace_of: dict[int, int] = {}  # unit -> index of the input it overwrites
+        self.inplace_fn: dict[int, Callable[..., Any]] = {}  # unit -> its own in-place call
         self.slice_of: dict[str, tuple[str, int, int, int]] = {}  # root -> (dest, dim, start, len)
         self.cat_mode: dict[int, str] = {}  # unit -> "view" | "dest"
 
@@ -524,12 +531,18 @@ class _Planner:
         destinations and their slices included) dies at this unit."""
         for i, u in enumerate(self.units):
             nd, form = self.single[i], self.forms[i]
-            if nd is None or form is None or form[1] or nd.op not in INPLACE_INPUTS:
+            # a convolution with a fused residual add can accumulate into the residual
+            into = getattr(u.fn, "into_residual", None) if nd is not None else None
+            if into is not None and nd.op == "conv2d" and nd.attrs.get("residual", False):
+                ks: tuple[int, ...] = (len(u.inputs) - 1,)
+            elif nd is None or form is None or form[1] or nd.op not in INPLACE_INPUTS:
                 continue
+            else:
+                ks, into = INPLACE_INPUTS[nd.op], None
             y = u.outputs[0]
             if not self._alone(y) or y in self.slice_of or self.cls.find(y) != y:
                 continue
-            for k in INPLACE_INPUTS[nd.op]:
+            for k in ks:
                 if k >= len(u.inputs):
                     continue
                 x = u.inputs[k]
@@ -543,6 +556,8 @@ class _Planner:
                 self.cls.join(x, y)
                 self.kind[y] = "inplace"
                 self.inplace_of[i] = k
+                if into is not None:
+                    self.inplace_fn[i] = into
                 break
 
     def classes(self) -> tuple[dict[str, list[str]], dict[str, str]]:
@@ -571,7 +586,9 @@ class _Planner:
         return self.forms[j] is not None or j in self.cat_mode
 
 
-def plan_memory(graph: Graph, units: Sequence[Any], device: torch.device) -> PlannedUnits:
+def plan_memory(
+    graph: Graph, units: Sequence[Any], device: torch.device, owned: Sequence[str] = ()
+) -> PlannedUnits:
     """Plan the buffers of ``units`` (``runtime.plan.Unit`` records, in execution order).
 
     Returns step functions with the units' calling convention that write into the arena,
@@ -582,6 +599,9 @@ def plan_memory(graph: Graph, units: Sequence[Any], device: torch.device) -> Pla
     pl.place_concats()
     pl.run_in_place()
     roots, where = pl.classes()
+    for root, vs in roots.items():  # inputs handed over to the plan die at their last read
+        if where[root] == "input" and all(v in owned for v in vs if v in graph.inputs):
+            where[root] = "owned"
     n = pl.n
 
     placements: dict[str, Placement] = {}
@@ -630,7 +650,7 @@ def plan_memory(graph: Graph, units: Sequence[Any], device: torch.device) -> Pla
             placements[name] = Placement(where[name], name)
     arena_classes = [r for r, w in where.items() if w == "arena"]
     offsets, arena_bytes = _assign_offsets(arena_classes, intervals, sizes)
-    input_bytes = sum(graph.values[v].nbytes for v in graph.inputs)
+    input_bytes = sum(graph.values[v].nbytes for v in graph.inputs if v not in owned)
     memory = MemoryPlan(placements, intervals, sizes, offsets, arena_bytes, n, input_bytes)
 
     arena = torch.empty(arena_bytes, dtype=torch.uint8, device=device) if arena_bytes else None
@@ -725,7 +745,7 @@ def _spill(
     masks = {c: mask(c) for c in candidates}
     V = np.zeros(steps)
     for c, w in where.items():
-        if c in intervals and (w in ("vendor", "fresh") or w == "arena"):
+        if c in intervals and w in ("vendor", "fresh", "owned", "arena"):
             V += masks[c] if c in masks else mask(c)
     for i, t in temps.items():
         V[i + 1] += t
@@ -750,6 +770,8 @@ def _step_fn(
 ) -> Callable[..., Any]:
     """The function the plan calls for unit ``i`` under the memory plan."""
     form = pl.forms[i]
+    if i in pl.inplace_fn:
+        return pl.inplace_fn[i]
     if i in pl.inplace_of:
         k, out_form = pl.inplace_of[i], form[0]
 

@@ -10,7 +10,9 @@ as early as eager PyTorch releases it.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -98,6 +100,63 @@ class Plan:
             for fn, (_, ins, outs, multi, frees) in zip(planned.fns, self._unplanned, strict=True)
         ]
 
+    # -------------------------------------------------------- what the profiler asks
+    notes: tuple[str, ...] = ()
+    consumes_inputs = False
+
+    def arenas(self) -> list[torch.Tensor]:
+        """The buffer plan's arena(s), live for as long as the plan."""
+        return [] if self.arena is None else [self.arena]
+
+    @property
+    def arena_bytes(self) -> int:
+        return 0 if self.memory is None else self.memory.arena_bytes
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The plan's constants (weights, folded batch-norm parameters)."""
+        return [t for t in self._template if isinstance(t, torch.Tensor)]
+
+    def predicted_peak_io(self) -> int | None:
+        """The buffer plan's predicted peak I/O bytes (None without a buffer plan)."""
+        return None if self.memory is None else self.memory.predicted_peak_io()
+
+    def step_placements(self) -> list[str]:
+        """Where each step's first output lives under the buffer plan ("-" without one)."""
+        names = {s: v for v, s in self.slot_of.items()}
+        if self.memory is None:
+            return ["-"] * len(self.steps)
+        return [
+            self.memory.placements[names[st.outs[0]]].kind if st.outs else "-" for st in self.steps
+        ]
+
+    def timed_run(self, inputs: Sequence[torch.Tensor]) -> tuple[list[float], Any]:
+        """Run once step by step: (milliseconds of each step, the outputs)."""
+        device = inputs[0].device if inputs else torch.device("cpu")
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda d: None)
+        times: list[float] = []
+        env = list(self._template)
+        for s, x in zip(self.input_slots, inputs, strict=True):
+            env[s] = x
+        for fn, ins, outs, multi, frees in self._program:
+            sync(device)
+            t0 = time.perf_counter()
+            r = fn(*[env[i] for i in ins])
+            sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            if multi:
+                for o, v in zip(outs, r, strict=True):
+                    env[o] = v
+            else:
+                env[outs[0]] = r
+            for f in frees:
+                env[f] = None
+        return times, map_tree(self._out_tree, lambda name: env[self.slot_of[name]])
+
+    def step_times(self, inputs: Sequence[torch.Tensor], repeats: int) -> list[float]:
+        """Median milliseconds of each step over ``repeats`` step-by-step runs."""
+        runs = [self.timed_run(inputs)[0] for _ in range(repeats)]
+        return [statistics.median(t) for t in zip(*runs, strict=True)]
+
     def run(self, inputs: Sequence[torch.Tensor]) -> Any:
         if self.memory is None:
             return self._run(inputs, self._program)
@@ -112,6 +171,8 @@ class Plan:
         env = list(self._template)
         for s, x in zip(self.input_slots, inputs, strict=True):
             env[s] = x
+        if self.consumes_inputs:  # the caller handed its references over (a list)
+            inputs.clear()
         for fn, ins, outs, multi, frees in program:
             r = fn(*[env[i] for i in ins])
             if multi:
@@ -153,10 +214,13 @@ def build_plan(
     device: torch.device,
     units: Sequence[Unit] | None = None,
     plan_memory: bool = False,
+    owned: Sequence[str] = (),
 ) -> Plan:
     """Assemble a plan from ``units`` in execution order; without them every node runs on
     its own through the framework. ``plan_memory``: run it through the buffer planner
-    (runtime/memory.py: one reused arena, in-place ops, concat slices)."""
+    (runtime/memory.py: one reused arena, in-place ops, concat slices). ``owned``: graph
+    inputs the caller hands over (``run`` empties its input list): they are freed after
+    their last read instead of living for the whole call."""
     slot_of: dict[str, int] = {}
 
     def slot(v: str) -> int:
@@ -175,7 +239,7 @@ def build_plan(
             runs_as, fn, reason = node_step(graph, n, device)
             units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
     # liveness: the last unit that reads each slot frees it (never inputs, params, outputs)
-    keep = set(graph.inputs) | set(graph.params) | set(graph.output_values())
+    keep = (set(graph.inputs) - set(owned)) | set(graph.params) | set(graph.output_values())
     last_use: dict[str, int] = {}
     for i, u in enumerate(units):
         for v in u.inputs:
@@ -204,11 +268,12 @@ def build_plan(
     for v in graph.output_values():
         slot(v)
     plan = Plan(graph, steps, slot_of, constants)
+    plan.consumes_inputs = bool(owned)
     if plan_memory:
         from .memory import plan_memory as make_memory_plan
 
         try:
-            plan.use_memory_plan(make_memory_plan(graph, units, device))
+            plan.use_memory_plan(make_memory_plan(graph, units, device, owned))
         except Exception as e:  # noqa: BLE001 - a planner bug must not break optimize()
             warnings.warn(
                 f"middleware: the buffer planner failed ({type(e).__name__}: {e}); "
