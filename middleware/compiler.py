@@ -15,8 +15,9 @@ from .hardware import Hardware, detect
 from .ops import get_op
 from .options import Options
 from .passes import run_passes
+from .runtime.chunked import ChunkedPlan, Cut, choose_cut, split_graph
 from .runtime.module import Compiled
-from .runtime.plan import Unit, build_plan, node_step
+from .runtime.plan import Plan, Unit, build_plan, node_step
 from .runtime.report import Report, ReportRow, group_rows, node_cost
 
 
@@ -31,14 +32,46 @@ def compile_graph(graph: Graph, options: Options) -> Compiled:
     hardware = detect(options.device, options.cache_dir, options.measure_hardware)
     graph = run_passes(graph, options, hardware)
     graph = _fallbacks_on(graph, device)
+    cut = _cut(graph, options, hardware, device)
+    if cut is not None:
+        pre, post = split_graph(graph, cut)
+        plan = ChunkedPlan(
+            graph,
+            cut,
+            _plan(pre, options, hardware, device),
+            _plan(post, options, hardware, device, owned=cut.values),
+            device,
+        )
+    else:
+        plan = _plan(graph, options, hardware, device)
+    return Compiled(graph, plan, make_report(graph, plan))
+
+
+def _plan(
+    graph: Graph,
+    options: Options,
+    hardware: Hardware,
+    device: torch.device,
+    owned: tuple[str, ...] = (),
+) -> Plan:
     if device.type == "cuda":  # io groups -> generated CUDA kernels; the rest -> cuDNN/cuBLAS
         from .backends.cuda.units import cuda_units
 
         units = cuda_units(graph, options, hardware, device)
     else:
         units = _units(graph, options, hardware, device)
-    plan = build_plan(graph, device, units, plan_memory=options.plan_memory)
-    return Compiled(graph, plan, make_report(graph, plan))
+    return build_plan(graph, device, units, plan_memory=options.plan_memory, owned=owned)
+
+
+def _cut(graph: Graph, options: Options, hardware: Hardware, device: torch.device) -> Cut | None:
+    """The prefix to run depth-first over the batch. "auto" chunks on CPU only: on CUDA the
+    slices' kernels would be too small to fill the GPU (and it is not measured there)."""
+    mode = options.batch_chunk
+    if mode == "auto" and device.type != "cpu":
+        return None
+    # weights beyond half the cores' private caches are re-read from memory once per slice
+    cache = hardware.l2_bytes * max(hardware.cores, 1)
+    return choose_cut(graph, mode, cache, hardware.bandwidth_gbs)
 
 
 def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.device) -> list[Unit]:
@@ -113,4 +146,4 @@ def make_report(graph: Graph, plan) -> Report:  # noqa: ANN001 - Plan, avoiding 
                 bytes=nbytes,
             )
         )
-    return Report(tuple(rows), group_rows(graph, rows))
+    return Report(tuple(rows), group_rows(graph, rows), tuple(getattr(plan, "notes", ())))

@@ -40,6 +40,10 @@ class Options:
     measure_hardware: bool = True
     # Use the buffer planner (arena reuse) in the runtime.
     plan_memory: bool = True
+    # Run the network's first layers depth-first over slices of the batch (runtime/chunked.py):
+    # "auto" (on CPU where it cuts the estimated peak memory), a number of samples per
+    # slice (wherever a prefix exists), or 0 (never).
+    batch_chunk: int | str = "auto"
 
     def codegen_key(self) -> str:
         """The settings that change generated code, as a stable string for cache keys."""
