@@ -365,16 +365,20 @@ class ChunkedPlan:
         return self.suffix.memory
 
     def run(self, inputs: Sequence[torch.Tensor]) -> Any:
+        # the suffix plan frees each cut tensor after its last read: no other reference
+        # to them may outlive this line (hence the helper's own frame)
+        handed = self._run_prefix(inputs) + [inputs[i] for i in self._post_in]
+        return self.suffix.run(handed)
+
+    def _run_prefix(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The cut values at full batch, written slice by slice by the prefix plan."""
         cut = [_empty(t, self.device) for t in self._cut_types]
         full = [inputs[i] for i in self._pre_in]
         for b, m in self._slices:
             outs = self.prefix.run([x.narrow(0, b, m) for x in full])
             for c, o in zip(cut, outs, strict=True):
                 c.narrow(0, b, m).copy_(o)
-            del outs
-        handed = cut + [inputs[i] for i in self._post_in]
-        del cut  # the suffix plan frees each cut tensor after its last read
-        return self.suffix.run(handed)
+        return cut
 
     # -------------------------------------------------------- what the profiler asks
     def arenas(self) -> list[torch.Tensor]:

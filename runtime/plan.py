@@ -146,8 +146,10 @@ class Plan:
             if multi:
                 for o, v in zip(outs, r, strict=True):
                     env[o] = v
+                v = None  # noqa: F841 - the loop variable must not keep a freed value alive
             else:
                 env[outs[0]] = r
+            r = None
             for f in frees:
                 env[f] = None
         return times, map_tree(self._out_tree, lambda name: env[self.slot_of[name]])
@@ -171,6 +173,7 @@ class Plan:
         env = list(self._template)
         for s, x in zip(self.input_slots, inputs, strict=True):
             env[s] = x
+        x = None  # noqa: F841 - the loop variable must not keep the last input alive
         if self.consumes_inputs:  # the caller handed its references over (a list)
             inputs.clear()
         for fn, ins, outs, multi, frees in program:
@@ -178,8 +181,10 @@ class Plan:
             if multi:
                 for o, v in zip(outs, r, strict=True):
                     env[o] = v
+                v = None  # noqa: F841 - the loop variable must not keep a freed value alive
             else:
                 env[outs[0]] = r
+            r = None
             for f in frees:
                 env[f] = None
         if self._single_out is not None:
