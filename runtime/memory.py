@@ -449,9 +449,20 @@ class _Planner:
 
     # ------------------------------------------------------------------- stages
     def share_views(self) -> None:
-        """View-like ops and fallbacks share the storage of their (non-parameter) inputs."""
+        """View-like ops and fallbacks share the storage of their (non-parameter) inputs.
+
+        A reshape of a permuted value (a channel shuffle's merge) cannot be a view: ATen
+        copies it into a new tensor, which is then a class of its own."""
+        permuted: set[str] = set()
         for i, u in enumerate(self.units):
             nd = self.single[i]
+            if nd is not None and nd.op == "permute" or (
+                nd is not None and get_op(nd.op).view_like and set(nd.inputs) & permuted
+            ):
+                if not (nd.op == "reshape" and set(nd.inputs) & permuted):
+                    permuted.update(u.outputs)
+            if nd is not None and nd.op in ("reshape", "flatten") and set(nd.inputs) & permuted:
+                continue  # a copy
             if u.runs_as == "fallback" or (nd is not None and get_op(nd.op).view_like):
                 for v in u.outputs:
                     self.kind[v] = "view"
