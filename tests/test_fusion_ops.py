@@ -110,3 +110,42 @@ def test_depthwise_conv(layout, k, s, p, cache):
     ]
     g = build_chain((2, c, 9, 8), layout, steps, seed=k * 10 + s)
     check_group(g, cache, seed=2, atol=1e-4, rtol=1e-4)
+
+
+def test_depthwise_conv_in_an_io_group_runs_through_onednn(cache):
+    """On x86 oneDNN's depthwise convolution (with its fused post-op) is faster than the
+    generated one (backends/x86/units.py, VENDOR_FASTER): it splits its group, the nodes
+    around it are still generated, and the plan equals the reference."""
+    import torch
+    from fusion_helpers import hardware
+    from middleware.backends.x86.units import fusion_units
+    from middleware.runtime.plan import build_plan
+
+    from middleware.compiler import _units
+    from middleware.options import Options
+
+    c = 6
+    steps = [
+        bn(),
+        ("relu", {}),
+        (
+            "conv2d",
+            dict(stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=c),
+            [("param", (c, 1, 3, 3)), ("param", (c,))],
+        ),
+        ("hardtanh", dict(min_val=0.0, max_val=6.0)),
+        ("sigmoid", {}),
+    ]
+    g = build_chain((2, c, 9, 8), "nchw", steps, seed=5)
+    opts = Options(cache_dir=cache)
+    fused, failed = fusion_units(g, opts, hardware())
+    covered = {n for u in fused.values() for n in u.nodes}
+    conv = [n.name for n in g.nodes() if n.op == "conv2d"]
+    assert conv and not set(conv) & covered and not failed
+    assert len(covered) == len(g) - 1  # everything else is generated
+    units = _units(g, opts, hardware(), torch.device("cpu"))
+    assert [u.runs_as for u in units if u.nodes == tuple(conv)] == ["vendor"]
+    x = torch.randn(g.values[g.inputs[0]].shape, generator=torch.Generator().manual_seed(3))
+    plan = build_plan(g, torch.device("cpu"), units, plan_memory=True)
+    with torch.no_grad():
+        torch.testing.assert_close(plan.run([x]), g.evaluate(x), rtol=1e-5, atol=1e-5)
