@@ -13,7 +13,8 @@ mode once, in turn, so that the host's drift hits every mode alike. Speedup is t
 fastest of the three PyTorch modes over the middleware (> 1: the middleware is faster).
 
 Compile time is the wall time from wrapping the model to the end of its first call (so it
-includes one run for both). Cold: ``torch.compile`` with a fresh ``TORCHINDUCTOR_CACHE_DIR``
+includes one run for both); the last column is the middleware's ``optimize()`` alone
+(trace, passes, kernels and plan, which it does before any call). Cold: ``torch.compile`` with a fresh ``TORCHINDUCTOR_CACHE_DIR``
 and ``optimize()`` with a fresh ``cache_dir``. Warm: the same cache folders, measured in a
 new Python process (``--warm-child``), so that no in-memory cache helps.
 
@@ -84,7 +85,7 @@ class Row:
     batch: int
     ms: dict[str, float]  # median latency per mode
     max_err: float  # middleware vs eager, relative to the output's scale
-    compile_s: dict[str, float]  # "compile_cold", "compile_warm", "mw_cold", "mw_warm"
+    compile_s: dict[str, float]  # compile_cold|warm, mw_cold|warm (+ _opt: optimize() alone)
 
     @property
     def fastest_torch(self) -> tuple[str, float]:
@@ -142,19 +143,21 @@ def build_compile(model: nn.Module, x: torch.Tensor) -> tuple[Callable[[], Any],
 
 def build_middleware(
     model: nn.Module, x: torch.Tensor, cache_dir: Path
-) -> tuple[Callable[[], Any], float]:
-    """optimize() the model; returns the runner and seconds to the end of the first call."""
+) -> tuple[Callable[[], Any], float, float]:
+    """optimize() the model; returns the runner, seconds to the end of the first call and
+    seconds of ``optimize()`` alone (trace, passes, kernels, plan: no run)."""
     import middleware
 
     t0 = time.perf_counter()
     opt = middleware.optimize(model, device="cpu", example_inputs=(x,), cache_dir=cache_dir)
+    alone = time.perf_counter() - t0
     opt(x)
     seconds = time.perf_counter() - t0
 
     def run() -> Any:
         return opt(x)
 
-    return run, seconds
+    return run, seconds, alone
 
 
 def eager_runners(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
@@ -192,8 +195,9 @@ def max_rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y - ref).abs().max()) / max(1e-30, float(ref.abs().max()))
 
 
-def warm_in_child(what: str, net: str, batch: int, cache: Path) -> float:
-    """Seconds to compile ``net`` in a new process with the warm cache folder ``cache``."""
+def warm_in_child(what: str, net: str, batch: int, cache: Path) -> tuple[float, float]:
+    """Seconds to compile ``net`` in a new process with the warm cache folder ``cache``
+    (to the end of the first call; and for the middleware ``optimize()`` alone)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--warm-child", what]
     cmd += ["--nets", net, "--batch", str(batch), "--cache-dir", str(cache)]
     env = dict(os.environ)
@@ -202,18 +206,20 @@ def warm_in_child(what: str, net: str, batch: int, cache: Path) -> float:
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
         print(f"  warm {what} child failed: {out.stderr[-2000:]}", file=sys.stderr)
-        return math.nan
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+        return math.nan, math.nan
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(got["seconds"]), float(got.get("alone", math.nan))
 
 
 def child_main(what: str, net: str, batch: int, cache: Path) -> None:
     model, size = make_model(net)
     x = make_input(batch, size)
+    alone = math.nan
     if what == "compile":
         _, seconds = build_compile(model, x)
     else:
-        _, seconds = build_middleware(model, x, cache)
-    print(json.dumps({"seconds": seconds}))
+        _, seconds, alone = build_middleware(model, x, cache)
+    print(json.dumps({"seconds": seconds, "alone": alone}))
 
 
 def measure(net: str, batch: int, args: argparse.Namespace, scratch: Path) -> Row:
@@ -227,11 +233,11 @@ def measure(net: str, batch: int, args: argparse.Namespace, scratch: Path) -> Ro
         with inductor_cache(folder):
             fns["compile"], comp["compile_cold"] = build_compile(model, x)
         if not args.no_warm:
-            comp["compile_warm"] = warm_in_child("compile", net, batch, folder)
+            comp["compile_warm"] = warm_in_child("compile", net, batch, folder)[0]
     mw_cache = scratch / f"middleware-{net}-{batch}"
-    fns["middleware"], comp["mw_cold"] = build_middleware(model, x, mw_cache)
+    fns["middleware"], comp["mw_cold"], comp["mw_cold_opt"] = build_middleware(model, x, mw_cache)
     if not args.no_warm:
-        comp["mw_warm"] = warm_in_child("middleware", net, batch, mw_cache)
+        comp["mw_warm"], comp["mw_warm_opt"] = warm_in_child("middleware", net, batch, mw_cache)
     ref = fns["eager"]()
     err = max_rel_err(fns["middleware"](), ref)
     ms = interleaved(fns, args.warmup, args.repeat)
@@ -273,14 +279,15 @@ def markdown(rows: Sequence[Row], meta: str) -> str:
     lines += [
         "",
         "| network | batch | torch.compile cold s | torch.compile warm s | "
-        "middleware cold s | middleware warm s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "middleware cold s | middleware warm s | optimize() alone cold / warm s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         c = r.compile_s
         lines.append(
             f"| {r.net} | {r.batch} | {_f(c.get('compile_cold'))} | "
-            f"{_f(c.get('compile_warm'))} | {_f(c.get('mw_cold'))} | {_f(c.get('mw_warm'))} |"
+            f"{_f(c.get('compile_warm'))} | {_f(c.get('mw_cold'))} | {_f(c.get('mw_warm'))} | "
+            f"{_f(c.get('mw_cold_opt'))} / {_f(c.get('mw_warm_opt'))} |"
         )
     return "\n".join(lines) + "\n"
 
