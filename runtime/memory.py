@@ -456,8 +456,10 @@ class _Planner:
         permuted: set[str] = set()
         for i, u in enumerate(self.units):
             nd = self.single[i]
-            if nd is not None and nd.op == "permute" or (
-                nd is not None and get_op(nd.op).view_like and set(nd.inputs) & permuted
+            if (
+                nd is not None
+                and nd.op == "permute"
+                or (nd is not None and get_op(nd.op).view_like and set(nd.inputs) & permuted)
             ):
                 if not (nd.op == "reshape" and set(nd.inputs) & permuted):
                     permuted.update(u.outputs)

@@ -133,26 +133,22 @@ class Plan:
         """Run once step by step: (milliseconds of each step, the outputs)."""
         device = inputs[0].device if inputs else torch.device("cpu")
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda d: None)
-        times: list[float] = []
-        env = list(self._template)
-        for s, x in zip(self.input_slots, inputs, strict=True):
-            env[s] = x
-        for fn, ins, outs, multi, frees in self._program:
-            sync(device)
-            t0 = time.perf_counter()
-            r = fn(*[env[i] for i in ins])
-            sync(device)
-            times.append((time.perf_counter() - t0) * 1e3)
-            if multi:
-                for o, v in zip(outs, r, strict=True):
-                    env[o] = v
-                v = None  # noqa: F841 - the loop variable must not keep a freed value alive
-            else:
-                env[outs[0]] = r
-            r = None
-            for f in frees:
-                env[f] = None
-        return times, map_tree(self._out_tree, lambda name: env[self.slot_of[name]])
+        times: list[float] = [0.0] * len(self._program)
+
+        def timed(k: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+            def step(*args: Any) -> Any:
+                sync(device)
+                t0 = time.perf_counter()
+                r = fn(*args)
+                sync(device)
+                times[k] = (time.perf_counter() - t0) * 1e3
+                return r
+
+            return step
+
+        program = [(timed(k, p[0]), *p[1:]) for k, p in enumerate(self._program)]
+        out = self._run(list(inputs) if self.consumes_inputs else inputs, program)
+        return times, out
 
     def step_times(self, inputs: Sequence[torch.Tensor], repeats: int) -> list[float]:
         """Median milliseconds of each step over ``repeats`` step-by-step runs."""

@@ -228,7 +228,7 @@ def test_linear_rule_is_data():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
-@pytest.mark.parametrize("act, residual", itertools.product([0, 1, 2, 5, 10], [False, True]))
+@pytest.mark.parametrize("act, residual", list(itertools.product([0, 1, 2, 5, 10], [False, True])))
 def test_cuda_conv(act, residual):
     name, attrs = ACTIVATIONS[act]
     g, node = _conv_graph(
