@@ -453,18 +453,17 @@ class _Planner:
 
         A reshape of a permuted value (a channel shuffle's merge) cannot be a view: ATen
         copies it into a new tensor, which is then a class of its own."""
-        permuted: set[str] = set()
+        permuted: set[str] = set()  # views whose strides are permuted
         for i, u in enumerate(self.units):
             nd = self.single[i]
-            if (
-                nd is not None
-                and nd.op == "permute"
-                or (nd is not None and get_op(nd.op).view_like and set(nd.inputs) & permuted)
-            ):
-                if not (nd.op == "reshape" and set(nd.inputs) & permuted):
+            if nd is not None and nd.op != "fallback":
+                of_permuted = bool(set(nd.inputs) & permuted)
+                if of_permuted and nd.op in ("reshape", "flatten", "contiguous"):
+                    continue  # ATen copies it: a class of its own
+                if nd.op == "permute" and not _dense_permute(self.graph, nd):
                     permuted.update(u.outputs)
-            if nd is not None and nd.op in ("reshape", "flatten") and set(nd.inputs) & permuted:
-                continue  # a copy
+                elif of_permuted and get_op(nd.op).view_like:
+                    permuted.update(u.outputs)
             if u.runs_as == "fallback" or (nd is not None and get_op(nd.op).view_like):
                 for v in u.outputs:
                     self.kind[v] = "view"
@@ -841,7 +840,9 @@ def _step_fn(
         start, dim = 0, pl.single[i].attrs["dim"] % pl.graph.values[y].rank
         for j, x in enumerate(u.inputs):
             size = pl.graph.values[x].shape[dim]
-            if x not in pl.slice_of or pl.slice_of[x][0] != y:
+            # copied unless it already lives in exactly this slice (an input that is also
+            # a view of another slice of the destination, or repeated, is copied)
+            if pl.slice_of.get(x) != (y, dim, start, size):
                 slices.append((j, dim, start, size))
             start += size
 
@@ -894,6 +895,17 @@ def _step_fn(
         return o
 
     return copy_into_dyn
+
+
+def _dense_permute(graph: Graph, nd: Node) -> bool:
+    """A permute that reads a dense value and keeps it dense: a channels_last value viewed
+    as its row-major (N,H,W,C) or back."""
+    t = graph.values[nd.inputs[0]]
+    dims = tuple(nd.attrs["dims"])
+    if t.rank == 4 and t.layout == "nhwc":
+        return dims == (0, 2, 3, 1)
+    out = graph.values[nd.outputs[0]]
+    return out.rank == 4 and out.layout == "nhwc" and dims == (0, 3, 1, 2)
 
 
 def _single_node(graph: Graph, u: Any) -> Node | None:

@@ -364,3 +364,52 @@ def test_dense_only_out_kernels_not_written_into_strided_slices(fmt, layout) -> 
         node = om.graph.producer(name)
         if p.kind == "slice" and node is not None:
             assert node.op not in ("adaptive_avg_pool2d", "softmax"), (name, p)
+
+
+def test_shuffle_merge_of_a_permuted_view_is_a_copy() -> None:
+    """A channel shuffle done in channels_last memory order (the layout pass's form): the
+    row-major NHWC view and the group split are views, the merge of the swapped groups is
+    ATen's one copy, so the planner gives it its own storage; values equal the reference."""
+    n, c, h, w, g = 2, 6, 3, 4, 2
+    gr = Graph()
+    x = gr.add_input("x", TensorType((n, c, h, w), "float32", "nhwc"))
+    chain = [
+        ("as_nhwc", "permute", {"dims": (0, 2, 3, 1)}, (n, h, w, c), "nchw"),
+        ("groups", "reshape", {"shape": (n, h, w, g, c // g)}, (n, h, w, g, c // g), "nchw"),
+        ("swap", "permute", {"dims": (0, 1, 2, 4, 3)}, (n, h, w, c // g, g), "nchw"),
+        ("merge", "reshape", {"shape": (n, h, w, c)}, (n, h, w, c), "nchw"),
+        ("back", "permute", {"dims": (0, 3, 1, 2)}, (n, c, h, w), "nhwc"),
+        ("act", "relu", {}, (n, c, h, w), "nhwc"),
+    ]
+    v = x
+    for name, op, attrs, shape, layout in chain:
+        gr.add_node(Node(name, op, (v,), (name,), attrs), [TensorType(shape, "float32", layout)])
+        v = name
+    gr.set_outputs(v)
+    plan = build_plan(gr, torch.device("cpu"), plan_memory=True)
+    p = plan.memory.placements
+    assert [p[k].kind for k in ("as_nhwc", "groups", "swap")] == ["view"] * 3
+    assert p["swap"].storage == "x" and p["merge"].kind != "view" and p["merge"].storage == "merge"
+    xt = torch.randn(n, c, h, w).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        torch.testing.assert_close(plan.run([xt]), gr.evaluate(xt), **TOL)
+
+
+def test_concat_input_repeated_and_aliased_with_another_slice() -> None:
+    """cat(a, cat(a), cat(a)): the one-input concat is a free view of ``a``'s slice, and
+    its two other places in the destination must still be written (found by hypothesis:
+    they were skipped as if already in place, leaving uninitialised memory)."""
+    g = Graph()
+    rng = np.random.default_rng(0)
+    x = g.add_input("x", TensorType((2, 3, H, W), "float32", "nhwc"))
+    a = _add(g, rng, "avg_pool2d", [x], 0)
+    one = _add(g, rng, "cat", [a], 1)
+    three = _add(g, rng, "cat", [a, one, one], 2)
+    out = _add(g, rng, "mul", [three, three], 3)
+    g.set_outputs(out)
+    plan = build_plan(g, torch.device("cpu"), plan_memory=True)
+    assert plan.memory.placements[one].kind == "slice"
+    for seed in (1, 2):
+        xt = _input(g, seed)
+        with torch.no_grad():
+            torch.testing.assert_close(plan.run([xt]), g.evaluate(xt), **TOL)
