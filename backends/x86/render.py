@@ -169,42 +169,14 @@ def render_ispc(s: Schedule) -> tuple[str, str]:
 
 def render_c(s: Schedule) -> str:
     """The C source of ``s`` (one exported function named ``s.name``)."""
-    ctx = _Ctx(s)
-    t = s.tiling
-    tile_loops = [
-        {"var": p, "extent": e, "step": z}
-        for p, e, z in zip(t.params, t.extents, t.sizes, strict=True)
-        if p
-    ]
-    scratch = [b for b in s.buffers if b.role == "scratch"]
-    out = s.buffer(s.outputs[0])
-    tile_text = " x ".join(f"{DIMS[d]}:{t.sizes[d]}" for d in range(4))
+    env = _common(s, _Ctx(s))
     scratch_text = (
-        ", ".join(f"{b.name} {extent_text(b)}" for b in scratch) or "none"
-    ) + f" ({t.scratch_bytes} bytes)"
+        ", ".join(f"{b.name} {extent_text(b)}" for b in env["scratch"]) or "none"
+    ) + f" ({s.tiling.scratch_bytes} bytes)"
     return (
         environment()
         .get_template("group.c.j2")
-        .render(
-            s=s,
-            out=out,
-            dims=DIMS,
-            scratch=scratch,
-            tile_loops=tile_loops,
-            tile_text=tile_text,
-            scratch_text=scratch_text,
-            simd_dim="c" if s.layout == "nhwc" else "w",
-            signature=signature(s),
-            open_loops=open_loops,
-            close_loops=close_loops,
-            param_text=param_text,
-            extent_text=extent_text,
-            c_float=c_float,
-            tidy=_tidy,
-            store=ctx.store,
-            accumulate=ctx.accumulate,
-            acc_value=ctx.acc_value,
-        )
+        .render(scratch_text=scratch_text, signature=signature(s), **env)
     )
 
 
