@@ -324,15 +324,6 @@ def _measure_peak_cuda(fn, inputs, persistent_io, params) -> tuple[int, int]:  #
     return _unique_bytes(params), peak + resident
 
 
-def _out_bytes(plan: Any, step: Any) -> int:
-    """Bytes of a step's outputs at the batch that step runs at."""
-    for p in getattr(plan, "prefix", None), getattr(plan, "suffix", None), plan:
-        if p is not None and hasattr(p, "slot_of") and step in p.steps:
-            names = {s: v for v, s in p.slot_of.items()}
-            return sum(p.graph.values[names[s]].nbytes for s in step.outs)
-    return 0
-
-
 def profile(
     model: nn.Module,
     inputs: Sequence[torch.Tensor] | torch.Tensor,
@@ -379,7 +370,8 @@ def profile(
             times = plan.step_times(inputs, max(1, min(repeats, 3)))
         graph = plan.graph
         notes.extend(plan.notes)
-        for st, ms, place in zip(plan.steps, times, plan.step_placements(), strict=True):
+        rows = zip(plan.steps, times, plan.step_placements(), plan.step_out_bytes(), strict=True)
+        for st, ms, place, nbytes in rows:
             groups.append(
                 GroupProfile(
                     step=st.name,
@@ -387,7 +379,7 @@ def profile(
                     nodes=st.nodes,
                     ops=tuple(graph.node(n).op for n in st.nodes),
                     time_ms=ms,
-                    out_bytes=_out_bytes(plan, st),
+                    out_bytes=nbytes,
                     placement=place,
                 )
             )

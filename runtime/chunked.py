@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from ..graph import Graph, Node, TensorType
-from ..ops import CATALOGUE, torch_dtype
+from ..ops import CATALOGUE
+from .memory import _empty
 from .plan import Plan
 
 # Ops that treat each sample of the batch (dimension 0) on its own, given the attribute
@@ -312,11 +313,6 @@ def split_graph(graph: Graph, cut: Cut) -> tuple[Graph, Graph]:
 
 
 # ------------------------------------------------------------------------- the plan
-def _empty(t: TensorType, device: torch.device) -> torch.Tensor:
-    fmt = torch.channels_last if t.rank == 4 and t.layout == "nhwc" else torch.contiguous_format
-    return torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device, memory_format=fmt)
-
-
 class ChunkedPlan:
     """A prefix plan run once per slice of the batch, then a suffix plan on the full batch.
 
@@ -355,12 +351,16 @@ class ChunkedPlan:
         handed = self._run_prefix(inputs) + [inputs[i] for i in self._post_in]
         return self.suffix.run(handed)
 
-    def _run_prefix(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The cut values at full batch, written slice by slice by the prefix plan."""
+    def _run_prefix(
+        self, inputs: Sequence[torch.Tensor], run_slice: Any = None
+    ) -> list[torch.Tensor]:
+        """The cut values at full batch, written slice by slice by the prefix plan
+        (``run_slice``: how a slice runs, ``self.prefix.run`` unless timed)."""
+        run_slice = run_slice or self.prefix.run
         cut = [_empty(t, self.device) for t in self._cut_types]
         full = [inputs[i] for i in self._pre_in]
         for b, m in self._slices:
-            outs = self.prefix.run([x.narrow(0, b, m) for x in full])
+            outs = run_slice([x.narrow(0, b, m) for x in full])
             for c, o in zip(cut, outs, strict=True):
                 c.narrow(0, b, m).copy_(o)
         return cut
@@ -379,6 +379,9 @@ class ChunkedPlan:
     def step_placements(self) -> list[str]:
         return self.prefix.step_placements() + self.suffix.step_placements()
 
+    def step_out_bytes(self) -> list[int]:
+        return self.prefix.step_out_bytes() + self.suffix.step_out_bytes()
+
     def predicted_peak_io(self) -> int | None:
         """Inputs + both arenas + the cut tensors + a slice's framework allocations while
         the prefix runs; the suffix's prediction (its inputs are the cut tensors and the
@@ -394,20 +397,22 @@ class ChunkedPlan:
         return max(during, after)
 
     def step_times(self, inputs: Sequence[torch.Tensor], repeats: int) -> list[float]:
-        """Median milliseconds of each step: a prefix step's time sums its slices."""
+        """Median milliseconds of each step: a prefix step's time sums its slices, and the
+        last prefix step also carries the copies of the slices into the cut."""
         pre_t: list[list[float]] = [[] for _ in self.prefix.steps]
         post_t: list[list[float]] = [[] for _ in self.suffix.steps]
-        full = [inputs[i] for i in self._pre_in]
         for _ in range(repeats):
-            cut = [_empty(t, self.device) for t in self._cut_types]
             sums = [0.0] * len(pre_t)
-            for b, m in self._slices:
-                ts, outs = self.prefix.timed_run([x.narrow(0, b, m) for x in full])
-                sums = [s + t for s, t in zip(sums, ts, strict=True)]
-                t0 = time.perf_counter()
-                for c, o in zip(cut, outs, strict=True):
-                    c.narrow(0, b, m).copy_(o)
-                sums[-1] += (time.perf_counter() - t0) * 1e3  # the copy, on the last step
+
+            def timed_slice(xs: list[torch.Tensor], sums: list[float] = sums) -> Any:
+                ts, outs = self.prefix.timed_run(xs)
+                for k, t in enumerate(ts):
+                    sums[k] += t
+                return outs
+
+            t0 = time.perf_counter()
+            cut = self._run_prefix(inputs, timed_slice)
+            sums[-1] += (time.perf_counter() - t0) * 1e3 - sum(sums)
             for lst, s in zip(pre_t, sums, strict=True):
                 lst.append(s)
             ts, _ = self.suffix.timed_run(cut + [inputs[i] for i in self._post_in])

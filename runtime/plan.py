@@ -129,6 +129,11 @@ class Plan:
             self.memory.placements[names[st.outs[0]]].kind if st.outs else "-" for st in self.steps
         ]
 
+    def step_out_bytes(self) -> list[int]:
+        """Bytes of each step's outputs (at the batch the plan runs at)."""
+        names = {s: v for v, s in self.slot_of.items()}
+        return [sum(self.graph.values[names[o]].nbytes for o in st.outs) for st in self.steps]
+
     def timed_run(self, inputs: Sequence[torch.Tensor]) -> tuple[list[float], Any]:
         """Run once step by step: (milliseconds of each step, the outputs)."""
         device = inputs[0].device if inputs else torch.device("cpu")
