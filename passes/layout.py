@@ -36,43 +36,31 @@ import torch
 
 from ..graph import Graph, Node, TensorType, flatten_tree, map_tree
 from ..hardware import Hardware
+from ..ops import CATALOGUE
 
 # layout="auto": the network layout per device kind ("cuda_fp32": cuDNN without TF32)
 LAYOUT_RULES: dict[str, str] = {"cpu": "nhwc", "cuda": "nhwc", "cuda_fp32": "nchw"}
 
 # Ops whose reference implementation keeps the memory order of its 4-d inputs in its 4-d
-# outputs, in both layouts (checked op by op in tests/test_layout.py). Every other op
+# outputs, in both layouts (checked op by op in tests/test_layout.py): every elementwise op
+# of the catalogue (to_layout sets its own order) and the ones listed. Every other op
 # (reshape, flatten, permute, contiguous, matmul, mean, softmax, linear on 4-d, fallback,
-# any op added later) is layout-sensitive: it reads and writes "nchw", and the pass
-# converts around it.
+# any non-elementwise op added later) is layout-sensitive: it reads and writes "nchw", and
+# the pass converts around it.
 LAYOUT_PRESERVING: frozenset[str] = frozenset(
-    {
-        "conv2d",
-        "batch_norm",
-        "relu",
-        "hardtanh",
-        "leaky_relu",
-        "sigmoid",
-        "tanh",
-        "silu",
-        "hardswish",
-        "hardsigmoid",
-        "gelu",
-        "max_pool2d",
-        "avg_pool2d",
-        "adaptive_avg_pool2d",
-        "adaptive_max_pool2d",
-        "maxpool_relu",
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "cat",
-        "split",
-        "identity",
-        "dropout",
-    }
-)
+    name for name, op in CATALOGUE.items() if op.elementwise and name != "to_layout"
+) | {
+    "conv2d",
+    "max_pool2d",
+    "avg_pool2d",
+    "adaptive_avg_pool2d",
+    "adaptive_max_pool2d",
+    "maxpool_relu",
+    "cat",
+    "split",
+    "identity",
+    "dropout",
+}
 
 
 def _mean_over_space(node: Node) -> bool:
