@@ -19,19 +19,6 @@ import time
 
 import torch
 
-NETWORKS = [
-    "alexnet",
-    "vgg16",
-    "resnet18",
-    "resnet50",
-    "densenet121",
-    "squeezenet1_1",
-    "mobilenet_v2",
-    "mobilenet_v3_small",
-    "googlenet",
-    "inception_v3",
-    "shufflenet_v2_x1_0",
-]
 MIB = 2**20
 
 
@@ -49,10 +36,11 @@ def build(name: str) -> tuple[torch.nn.Module, tuple[int, int, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     import middleware
+    from middleware.models import NETWORKS
     from middleware.profiler import plot_results
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("networks", nargs="*", default=NETWORKS)
+    ap.add_argument("networks", nargs="*", default=list(NETWORKS))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)

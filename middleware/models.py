@@ -20,6 +20,20 @@ import torch
 import torch.nn as nn
 
 DEFAULT_INPUT_SHAPE = (3, 224, 224)
+# The eleven torchvision networks the project's tests and benchmarks cover.
+NETWORKS: tuple[str, ...] = (
+    "alexnet",
+    "vgg16",
+    "resnet18",
+    "resnet50",
+    "densenet121",
+    "squeezenet1_1",
+    "mobilenet_v2",
+    "mobilenet_v3_small",
+    "googlenet",
+    "inception_v3",
+    "shufflenet_v2_x1_0",
+)
 # torchvision constructors that need arguments to build the inference-only variant
 _TORCHVISION_KWARGS: dict[str, dict[str, Any]] = {
     "googlenet": {"aux_logits": False, "init_weights": True},

@@ -16,6 +16,7 @@ from middleware.runtime.plan import build_plan
 
 import middleware
 from middleware.graph import Graph, Node, TensorType
+from middleware.models import NETWORKS
 from middleware.ops import infer_types
 
 H = W = 5
@@ -300,21 +301,6 @@ def test_planning_off_gives_no_memory_plan() -> None:
     assert om.plan.memory is None and om.plan.arena is None
     with torch.no_grad():
         torch.testing.assert_close(om(x), m(x), **TOL)
-
-
-NETWORKS = [
-    "alexnet",
-    "vgg16",
-    "resnet18",
-    "resnet50",
-    "densenet121",
-    "squeezenet1_1",
-    "mobilenet_v2",
-    "mobilenet_v3_small",
-    "googlenet",
-    "inception_v3",
-    "shufflenet_v2_x1_0",
-]
 
 
 @pytest.mark.parametrize("name", NETWORKS)

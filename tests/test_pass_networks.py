@@ -19,23 +19,11 @@ from middleware.passes.verify import relative_error  # noqa: E402
 import middleware  # noqa: E402
 from middleware import trace  # noqa: E402
 from middleware.graph import Graph  # noqa: E402
+from middleware.models import NETWORKS  # noqa: E402
 from middleware.options import Options  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-NETWORKS = [
-    "alexnet",
-    "vgg16",
-    "resnet18",
-    "resnet50",
-    "densenet121",
-    "squeezenet1_1",
-    "mobilenet_v2",
-    "mobilenet_v3_small",
-    "googlenet",
-    "inception_v3",
-    "shufflenet_v2_x1_0",
-]
 # Small inputs keep the test fast; inception_v3 needs at least 75x75.
 SIZE = {"inception_v3": 80}
 TOL = 1e-4  # relative to the largest output magnitude
