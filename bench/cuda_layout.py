@@ -12,32 +12,19 @@ device="cuda")`` against eager with TF32 off (max relative error).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import cuda_medians  # noqa: E402
 from zoo import NETWORKS  # noqa: E402
 
 
 def time_cuda(fns: dict, rounds: int = 20, warmup: int = 5) -> dict[str, float]:
     """Median ms per function over interleaved rounds, timed with CUDA events."""
-    for _ in range(warmup):
-        for f in fns.values():
-            f()
-    torch.cuda.synchronize()
-    out: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            f()
-            b.record()
-            b.synchronize()
-            out[k].append(a.elapsed_time(b))
-    return {k: statistics.median(v) for k, v in out.items()}
+    return cuda_medians(fns, rounds, warmup)
 
 
 def main() -> None:

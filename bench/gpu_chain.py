@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -29,6 +28,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import cuda_medians  # noqa: E402
 
 
 class Chain(nn.Module):
@@ -44,21 +46,7 @@ class Chain(nn.Module):
 def time_modes(fns: dict, repeat: int, warmup: int, inner: int = 10) -> dict[str, float]:
     """Median milliseconds per call of each mode, modes interleaved in every round; a round
     times ``inner`` back-to-back calls between two events (hides the launch latency)."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    torch.cuda.synchronize()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end) / inner)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return cuda_medians(fns, repeat, warmup, inner)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, repeat: int = 20) -> float:

@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import cuda_medians  # noqa: E402
 
 NETWORKS = {
     "alexnet": 224,
@@ -51,20 +53,7 @@ def make(net: str) -> torch.nn.Module:
 
 def time_modes(fns: dict, repeat: int, warmup: int) -> dict[str, float]:
     """Median milliseconds per mode (CUDA events), modes interleaved in every round."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    torch.cuda.synchronize()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end))
-    return {k: round(statistics.median(v), 3) for k, v in times.items()}
+    return {k: round(v, 3) for k, v in cuda_medians(fns, repeat, warmup).items()}
 
 
 def write(rows: dict, out: Path | None) -> None:
