@@ -149,8 +149,40 @@ def test_cut_tensors_are_released_after_their_last_read() -> None:
     mem = om.plan.suffix.memory
     kinds = {mem.placements[v].kind for v in om.plan.cut.values}
     assert kinds == {"owned"}
+    suffix = om.plan.suffix
     for v in om.plan.cut.values:
         assert mem.intervals[mem.placements[v].storage][1] < mem.n_units
+        # and the run drops its reference at that last read
+        assert any(suffix.slot_of[v] in st.frees for st in suffix.steps)
+
+
+@pytest.mark.parametrize(
+    "op, attrs, out_shape, ok",
+    [
+        ("softmax", {"dim": 1}, (4, 4, 3, 3), True),
+        ("softmax", {"dim": 0}, (4, 4, 3, 3), False),
+        ("mean", {"dims": (2, 3), "keepdim": False}, (4, 4), True),
+        ("mean", {"dims": (0,), "keepdim": False}, (4, 3, 3), False),  # C == N: same shape
+        ("permute", {"dims": (0, 2, 3, 1)}, (4, 3, 3, 4), True),
+        ("permute", {"dims": (1, 0, 2, 3)}, (4, 4, 3, 3), False),
+        ("flatten", {"start_dim": 1, "end_dim": -1}, (4, 36), True),
+        ("reshape", {"shape": (4, 36)}, (4, 36), True),
+        ("reshape", {"shape": (-1, 36)}, (4, 36), True),
+        ("fallback", {}, (4, 4, 3, 3), False),
+    ],
+)
+def test_per_sample_checks_attributes_not_only_shapes(op, attrs, out_shape, ok) -> None:  # noqa: ANN001
+    """Each op's attributes decide whether it keeps the samples apart, also where the
+    output's shape alone would not tell (channels == batch)."""
+    from middleware.runtime.chunked import _per_sample
+
+    from middleware.graph import Graph, Node, TensorType
+
+    g = Graph()
+    x = g.add_input("x", TensorType((4, 4, 3, 3)))
+    node = Node("n", op, (x,), ("y",), attrs)
+    g.add_node(node, [TensorType(out_shape)])
+    assert _per_sample(g, node, 4) is ok
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
