@@ -123,6 +123,7 @@ class Window:
     The input index read is ``scale*o + step*k + offset``; ``constraint`` (isl syntax over
     ``o`` and ``k``) bounds ``k`` beyond the input's extent (which the schedule adds).
     ``padded_lo``/``padded_hi`` are the padded input extent for divisor counting.
+    ``taps`` is the number of ``k`` values (0 for adaptive windows, whose width varies).
     """
 
     dim: int
@@ -132,10 +133,19 @@ class Window:
     constraint: str
     padded_lo: int = 0
     padded_hi: int = 0
+    taps: int = 0
 
     @property
     def var(self) -> str:
         return "k_" + DIMS[self.dim]
+
+    @property
+    def reads_per_input(self) -> float:
+        """How many outputs read one input element along this axis (window overlap):
+        ``taps / stride``; 1 for adaptive windows (which tile their input)."""
+        if not self.taps or not self.scale:
+            return 1.0
+        return max(1.0, self.taps / self.scale)
 
     def input_index(self) -> str:
         o = DIMS[self.dim]
@@ -359,6 +369,7 @@ def _pool_windows(graph: Graph, node: Node, dilation: tuple[int, int]) -> tuple[
                 f"0 <= k < {k[i]}",
                 padded_lo=-p[i],
                 padded_hi=in4[dim] + p[i],
+                taps=k[i],
             )
         )
     return tuple(wins)
@@ -462,7 +473,8 @@ def _conv2d_depthwise(graph: Graph, node: Node) -> OpLoops:
     s, p, d = (_pair(node.attrs[a]) for a in ("stride", "padding", "dilation"))
     kh, kw = wt.shape[2], wt.shape[3]
     wins = tuple(
-        Window(dim, s[i], d[i], -p[i], f"0 <= k < {(kh, kw)[i]}") for i, dim in enumerate((2, 3))
+        Window(dim, s[i], d[i], -p[i], f"0 <= k < {(kh, kw)[i]}", taps=(kh, kw)[i])
+        for i, dim in enumerate((2, 3))
     )
     weights = np.asarray(graph.params[w], dtype=np.float32).reshape(-1)
     body = call(

@@ -29,15 +29,34 @@ def test_pointwise_chain_is_one_stage():
 
 
 def test_pool_reads_materialised_scratch_with_halo():
-    g = build_chain((2, 8, 32, 16), "nhwc", [bn(), ("relu", {}), maxpool(3, 2, 1)])
+    # a 3x3/1 window reads each element 9 times: its producer is materialised, not recomputed
+    g = build_chain((2, 8, 32, 16), "nhwc", [bn(), ("relu", {}), maxpool(3, 1, 1)])
     s = schedule_group(g, _names(g), hardware(), tile_rows=4)
     assert [st.nodes for st in s.stages] == [tuple(_names(g)[:2]), (_names(g)[2],)]
     (scratch,) = [b for b in s.buffers if b.role == "scratch"]
-    # 4 pooled rows of a 3x3/2 window need 2*4+1 = 9 input rows; full width, all channels
-    assert scratch.extent == (1, 8, 9, 16)
+    # 4 pooled rows of a 3x3/1 window need 4+2 = 6 input rows; full width, all channels
+    assert scratch.extent == (1, 8, 6, 16)
     assert s.tiling.sizes[2] == 4 and s.tiling.params[2] == "t_h"
     # the first row of the region is clipped at the top border (from isl, not by hand)
     assert "t_h" in scratch.origin[2]
+
+
+def test_cheap_producer_is_recomputed_through_a_sparse_window():
+    # 3x3/2 reads each element 2.25 times: batch-norm + ReLU go into the window's body
+    g = build_chain((2, 8, 32, 16), "nhwc", [bn(), ("relu", {}), maxpool(3, 2, 1)])
+    s = schedule_group(g, _names(g), hardware(), tile_rows=4)
+    (st,) = s.stages
+    assert st.nodes == tuple(_names(g))
+    assert not [b for b in s.buffers if b.role == "scratch"]
+    assert [s.buffer(n).value for n in s.inputs] == ["x"]
+    assert st.reduction is not None and "x" in repr(st.reduction.body)
+
+
+def test_expensive_producer_is_not_recomputed():
+    g = build_chain((2, 8, 32, 16), "nhwc", [("sigmoid", {}), maxpool(3, 2, 1)])
+    s = schedule_group(g, _names(g), hardware(), tile_rows=4)
+    assert len(s.stages) == 2
+    assert len([b for b in s.buffers if b.role == "scratch"]) == 1
 
 
 def test_epilogue_absorbs_pool():
@@ -58,7 +77,7 @@ def test_window_bounds_come_from_isl():
 
 
 def test_tile_rows_follow_l2_size():
-    g = build_chain((2, 64, 64, 64), "nhwc", [bn(), ("relu", {}), maxpool(3, 2, 1)])
+    g = build_chain((2, 64, 64, 64), "nhwc", [bn(), ("relu", {}), maxpool(3, 1, 1)])
     small = dataclasses.replace(hardware(), l2_bytes=256 * 1024)
     big = dataclasses.replace(hardware(), l2_bytes=8 * 1024 * 1024)
     s_small = schedule_group(g, _names(g), small)
