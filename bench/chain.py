@@ -1,6 +1,6 @@
 """Benchmark: batch-norm -> ReLU -> 3x3/2 max-pool (padding 1) on 16x64x112x112 float32.
 
-In one process, interleaved round by round: PyTorch eager (NCHW, channels_last with an
+In one process, interleaved round by round (a new random order each round): PyTorch eager (NCHW, channels_last with an
 in-place ReLU), torch.compile (NCHW, channels_last), the middleware (its generated
 depth-first kernel through the compiler: ``optimize()`` as the pipeline lays the graph out,
 and the graph laid out channels_last), and a STREAM triad (OpenMP C through the same
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import random
 import statistics
 import tempfile
 import time
@@ -142,21 +143,21 @@ def main() -> None:
         err = (got - ref).abs().max().item()
         assert err < 1e-4, f"{name}: max error {err}"
     triad, triad_bytes = triad_fn(cache, 32 * 1024 * 1024)
+    runs["stream triad"] = triad
     times: dict[str, list[float]] = {k: [] for k in runs}
-    times["stream triad"] = []
+    # each round runs every way once, in a new random order: a fixed order would hand the
+    # same neighbour's cache and heap state (e.g. a freed output to reuse) to the same way
+    order = random.Random(0)
     with torch.inference_mode():
         for r in range(args.warmup + args.rounds):
-            for name, fn in runs.items():
+            names = list(runs)
+            order.shuffle(names)
+            for name in names:
                 t0 = time.perf_counter()
-                fn()
+                runs[name]()
                 dt = time.perf_counter() - t0
                 if r >= args.warmup:
                     times[name].append(dt)
-            t0 = time.perf_counter()
-            triad()
-            dt = time.perf_counter() - t0
-            if r >= args.warmup:
-                times["stream triad"].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
     chain_bytes = x.numel() * 4 + ref.numel() * 4
     triad_gbs = triad_bytes / med["stream triad"] / 1e9
