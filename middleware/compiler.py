@@ -99,7 +99,14 @@ def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.dev
             continue
         runs_as, fn, reason = node_step(graph, n, device)
         if runs_as == "vendor":
-            fn = vendor_kernel(graph, n, device, hardware) or fn
+            wino = None
+            if options.winograd and device.type == "cpu":
+                from .backends.x86.winograd import winograd_kernel
+
+                wino = winograd_kernel(graph, n, options, hardware)
+            fn = wino or vendor_kernel(graph, n, device, hardware) or fn
+            if wino is not None:
+                reason = wino.algorithm
         if n.name in failed:
             runs_as, reason = "fallback", failed[n.name]
         units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
@@ -146,4 +153,13 @@ def make_report(graph: Graph, plan) -> Report:  # noqa: ANN001 - Plan, avoiding 
                 bytes=nbytes,
             )
         )
-    return Report(tuple(rows), group_rows(graph, rows), tuple(getattr(plan, "notes", ())))
+    notes = tuple(getattr(plan, "notes", ()))
+    wino = [r.node for r in rows if r.reason.startswith("winograd")]
+    if wino:
+        notes += (
+            f"{len(wino)} convolution(s) run as Winograd F(4x4,3x3): generated transforms "
+            f"around the framework's batched GEMM ({', '.join(wino[:3])}"
+            f"{', ...' if len(wino) > 3 else ''}); Options(winograd=False) keeps oneDNN's "
+            "direct algorithm",
+        )
+    return Report(tuple(rows), group_rows(graph, rows), notes)

@@ -706,6 +706,9 @@ def plan_memory(
             memory.temps[i] = graph.values[u.outputs[0]].numel * 8
         elif getattr(fn, "__name__", "").startswith("copy_into"):
             memory.temps[i] = graph.values[u.outputs[0]].nbytes
+        work = getattr(u.fn, "workspace_bytes", None)
+        if work is not None:  # a Winograd convolution's transformed tiles
+            memory.temps[i] = memory.temps.get(i, 0) + work(graph.values[u.outputs[0]].shape[0])
     return PlannedUnits(memory, arena, fns)
 
 

@@ -144,3 +144,31 @@ def add_bn(g: Graph, x: str, seed: int = 0) -> str:
         g.add_param(f"{tag}.bias", rng.standard_normal(c).astype(np.float32)),
     ]
     return add(g, "batch_norm", [x, *ps], eps=1e-5)
+
+
+def conv_graph(
+    x_shape, w_shape, layout, *, stride=1, padding=0, dilation=1, groups=1, bias=True,
+    activation=None, activation_attrs=(), residual=False, seed=0,
+):  # fmt: skip
+    """A graph holding one conv2d node (params from a seeded generator)."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    g.add_input("x", TensorType(tuple(x_shape), layout=layout))
+    g.add_param("w", (rng.standard_normal(w_shape) * 0.2).astype(np.float32))
+    ins = ["x", "w"]
+    if bias:
+        g.add_param("b", rng.standard_normal(w_shape[0]).astype(np.float32))
+        ins.append("b")
+    attrs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    if activation:
+        attrs.update(activation=activation, activation_attrs=tuple(activation_attrs))
+    if residual:
+        probe = Node("c", "conv2d", tuple(ins), ("y",), dict(attrs))
+        out_shape = infer_types(g.values, probe)[0].shape
+        g.add_input("r", TensorType(out_shape, layout=layout))
+        ins.append("r")
+        attrs["residual"] = True
+    node = Node("c", "conv2d", tuple(ins), ("y",), attrs)
+    g.add_node(node, infer_types(g.values, node))
+    g.set_outputs("y")
+    return g, node

@@ -13,6 +13,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from fusion_helpers import conv_graph
 from middleware.backends.x86.vendor import (
     LINEAR_RULES,
     ONEDNN_POST_OPS,
@@ -46,34 +47,6 @@ ACTIVATIONS = [
 def _close(y: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
     scale = max(1e-12, float(ref.abs().max()))
     torch.testing.assert_close(y, ref, rtol=tol, atol=tol * scale)
-
-
-def _conv_graph(
-    x_shape, w_shape, layout, *, stride=1, padding=0, dilation=1, groups=1, bias=True,
-    activation=None, activation_attrs=(), residual=False, seed=0,
-):  # fmt: skip
-    """A graph holding one conv2d node (params from a seeded generator)."""
-    rng = np.random.default_rng(seed)
-    g = Graph()
-    g.add_input("x", TensorType(tuple(x_shape), layout=layout))
-    g.add_param("w", (rng.standard_normal(w_shape) * 0.2).astype(np.float32))
-    ins = ["x", "w"]
-    if bias:
-        g.add_param("b", rng.standard_normal(w_shape[0]).astype(np.float32))
-        ins.append("b")
-    attrs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
-    if activation:
-        attrs.update(activation=activation, activation_attrs=tuple(activation_attrs))
-    if residual:
-        probe = Node("c", "conv2d", tuple(ins), ("y",), dict(attrs))
-        out_shape = infer_types(g.values, probe)[0].shape
-        g.add_input("r", TensorType(out_shape, layout=layout))
-        ins.append("r")
-        attrs["residual"] = True
-    node = Node("c", "conv2d", tuple(ins), ("y",), attrs)
-    g.add_node(node, infer_types(g.values, node))
-    g.set_outputs("y")
-    return g, node
 
 
 def _run_conv_case(g: Graph, node: Node, layout: str, device: str = "cpu", seed: int = 1):
@@ -121,7 +94,7 @@ CONV_SHAPES = [
 @pytest.mark.parametrize("bias", [True, False])
 def test_conv_shapes(layout, case, bias):
     xs, ws, s, p, d, grp = CONV_SHAPES[case]
-    g, node = _conv_graph(xs, ws, layout, stride=s, padding=p, dilation=d, groups=grp, bias=bias)
+    g, node = conv_graph(xs, ws, layout, stride=s, padding=p, dilation=d, groups=grp, bias=bias)
     _run_conv_case(g, node, layout)
 
 
@@ -130,7 +103,7 @@ def test_conv_shapes(layout, case, bias):
 @pytest.mark.parametrize("residual", [False, True])
 def test_conv_post_ops(layout, act, residual):
     name, attrs = ACTIVATIONS[act]
-    g, node = _conv_graph(
+    g, node = conv_graph(
         (2, 8, 7, 7), (12, 8, 3, 3), layout, padding=1, activation=name,
         activation_attrs=attrs, residual=residual,
     )  # fmt: skip
@@ -139,7 +112,7 @@ def test_conv_post_ops(layout, act, residual):
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_conv_depthwise_residual_relu6(layout):
-    g, node = _conv_graph(
+    g, node = conv_graph(
         (2, 24, 14, 14), (24, 1, 3, 3), layout, padding=1, groups=24, activation="hardtanh",
         activation_attrs=(("min_val", 0.0), ("max_val", 6.0)), residual=True, bias=False,
     )  # fmt: skip
@@ -148,14 +121,14 @@ def test_conv_depthwise_residual_relu6(layout):
 
 def test_weight_packed_once_not_per_call():
     """The callable carries a oneDNN (opaque, blocked) weight made at build time."""
-    g, node = _conv_graph((2, 8, 9, 9), (16, 8, 3, 3), "nhwc", padding=1)
+    g, node = conv_graph((2, 8, 9, 9), (16, 8, 3, 3), "nhwc", padding=1)
     fn = vendor_kernel(g, node, torch.device("cpu"))
     cells = [c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
     assert any(t.layout == torch._mkldnn for t in cells)
 
 
 def test_no_vendor_kernel_for_float64_and_other_ops():
-    g, node = _conv_graph((1, 2, 5, 5), (3, 2, 3, 3), "nchw")
+    g, node = conv_graph((1, 2, 5, 5), (3, 2, 3, 3), "nchw")
     g.values["x"] = TensorType((1, 2, 5, 5), "float64")
     assert vendor_kernel(g, node, torch.device("cpu")) is None
     relu = Node("r", "relu", ("y",), ("z",))
@@ -231,7 +204,7 @@ def test_linear_rule_is_data():
 @pytest.mark.parametrize("act, residual", list(itertools.product([0, 1, 2, 5, 10], [False, True])))
 def test_cuda_conv(act, residual):
     name, attrs = ACTIVATIONS[act]
-    g, node = _conv_graph(
+    g, node = conv_graph(
         (2, 8, 9, 9), (16, 8, 3, 3), "nchw", padding=1, activation=name,
         activation_attrs=attrs, residual=residual,
     )  # fmt: skip

@@ -1,0 +1,281 @@
+"""Winograd F(4x4, 3x3) convolutions on x86: generated transforms around the framework's
+batched GEMM.
+
+A 3x3 stride-1 convolution computes each 4x4 output tile from a 6x6 input patch with 36
+multiplications per (input, output) channel pair instead of 144 (Lavin & Gray, "Fast
+Algorithms for Convolutional Neural Networks", 2016):
+
+    Y = A^T [ (G g G^T) (.) (B^T d B) ] A
+
+- the weight transform ``U = G g G^T`` runs once, at optimize time: ``U[36][C][K]``;
+- ``<name>_in`` (generated OpenMP C, SIMD over channels) writes ``V[36][T][C]``, the input
+  transform of a chunk of T tiles (zero padding handled at the borders);
+- ``torch.bmm`` (the framework's GEMM: oneDNN/MKL) computes ``M[36][T][K] = V @ U``;
+- ``<name>_out`` (generated) computes ``A^T M A`` with the convolution's fused epilogue
+  (bias, residual add, activation) and writes the NHWC output, clipped at the borders.
+
+The tiles run in chunks whose ``V`` and ``M`` fit ``WORKSPACE_BYTES`` (depth-first over
+tiles: the transformed data of a chunk stays in cache between the three calls). Tile
+geometry and channel counts are runtime arguments, so one compiled pair of transforms
+serves every layer with the same epilogue (the kernel cache keys it by its source).
+
+The float32 result differs from the direct convolution by rounding (about 1e-5 of the
+output's scale per layer, measured in tests/test_winograd.py); ``Options.winograd=False``
+keeps every convolution in oneDNN's direct algorithm.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...errors import CompileError
+from ...graph import Graph, Node
+from ...hardware import Hardware
+from ...loops import Acc, NotFusable, activation_expr
+from ...options import Options
+from .build import load_shared
+from .cfuncs import c_expr
+from .compile import build_c
+from .render import environment
+from .vendor import activation_attrs
+
+# When a convolution runs as Winograd (else oneDNN's direct call). Measured on the 2-core
+# AVX-512 host (torch 2.14.1), ReLU epilogue, against the prepacked oneDNN call, with an
+# 8 MiB workspace: batch 16: 64->64 @224 2.4x, 128->128 @112 2.3x, 256->256 @56 2.5x,
+# 512->512 @28 2.3x, 256->256 @14 1.4x, 512->512 @7 1.3x, 96->128 @28 1.5x; batch 1:
+# 128->128 @28 1.5x, 256->256 @14 1.35x, 64->64 @56 1.1x. Slower: 128->32 (densenet's
+# growth convs: 0.6-0.95x), 16->32 @28 0.5x, 512->512 @7 at batch 1 (4 tiles) 0.5x.
+MIN_CHANNELS = 64  # input and output channels
+CHANNEL_MULTIPLE = 16  # the transforms' SIMD block (one AVX-512 register)
+MIN_TILES = 16  # 4x4 output tiles per call (the GEMM's rows)
+# Bytes of V + M per chunk of tiles, and the least tiles per chunk (smaller GEMMs lose
+# more to the re-read of U than the cache saves).
+WORKSPACE_BYTES = 8 << 20
+MIN_CHUNK_TILES = 64
+TILE = 4  # output tile (F(4x4, 3x3)); input patch TILE + 2
+
+# Lavin & Gray's G for F(4, 3) (points 0, 1, -1, 2, -2, infinity)
+_G = np.array(
+    [
+        [1 / 4, 0, 0],
+        [-1 / 6, -1 / 6, -1 / 6],
+        [-1 / 6, 1 / 6, -1 / 6],
+        [1 / 24, 1 / 12, 1 / 6],
+        [1 / 24, -1 / 12, 1 / 6],
+        [0, 0, 1],
+    ],
+    dtype=np.float64,
+)
+
+
+def transform_weight(weight: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """``U[36][C][K]`` (float32, contiguous) of a ``[K][C][3][3]`` weight, computed in
+    float64: position ``i*6 + j`` holds ``(G g G^T)[i][j]`` for every (c, k)."""
+    w = torch.as_tensor(np.asarray(weight, dtype=np.float64))
+    g = torch.from_numpy(_G)
+    u = torch.einsum("ij,kcjl,ml->imck", g, w, g)  # [6][6][C][K]
+    k, c = w.shape[0], w.shape[1]
+    return u.reshape(36, c, k).to(torch.float32).contiguous()
+
+
+def tiles_of(n: int, oh: int, ow: int) -> int:
+    return n * -(-oh // TILE) * -(-ow // TILE)
+
+
+def chunk_tiles(c: int, k: int, tiles: int) -> int:
+    """Tiles per chunk: V + M within ``WORKSPACE_BYTES``, at least ``MIN_CHUNK_TILES``."""
+    per_tile = 36 * 4 * (c + k)
+    return max(1, min(tiles, max(MIN_CHUNK_TILES, WORKSPACE_BYTES // per_tile)))
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[-1]))
+
+
+def why_not(graph: Graph, node: Node) -> str | None:
+    """None when ``node`` runs faster as Winograd by the measured rule, else why not."""
+    if node.op != "conv2d":
+        return "not a convolution"
+    a = node.attrs
+    if isinstance(a["padding"], str):
+        return "string padding"
+    x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    w_t = graph.values[node.inputs[1]]
+    if x_t.rank != 4 or x_t.dtype != "float32":
+        return "not a float32 4-d input"
+    if x_t.layout != "nhwc" or out_t.layout != "nhwc":
+        return "not channels_last"
+    if tuple(w_t.shape[2:]) != (3, 3):
+        return f"kernel {tuple(w_t.shape[2:])}, not 3x3"
+    if _pair(a["stride"]) != (1, 1) or _pair(a["dilation"]) != (1, 1) or int(a["groups"]) != 1:
+        return "strided, dilated or grouped"
+    ph, pw = _pair(a["padding"])
+    if not (0 <= ph <= 2 and 0 <= pw <= 2):
+        return f"padding {(ph, pw)} beyond 2"
+    c, k = x_t.shape[1], out_t.shape[1]
+    if min(c, k) < MIN_CHANNELS or c % CHANNEL_MULTIPLE or k % CHANNEL_MULTIPLE:
+        return f"{c}->{k} channels (the rule wants >= {MIN_CHANNELS}, multiples of 16)"
+    if tiles_of(out_t.shape[0], out_t.shape[2], out_t.shape[3]) < MIN_TILES:
+        return f"fewer than {MIN_TILES} output tiles"
+    if node.inputs[1] not in graph.params:
+        return "weight is computed"
+    residual = bool(a.get("residual", False))
+    if len(node.inputs) - int(residual) == 3 and node.inputs[2] not in graph.params:
+        return "bias is computed"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Epilogue:
+    bias: bool
+    residual: bool
+    activation: str | None
+    attrs: tuple[tuple[str, Any], ...]
+
+    def tag(self) -> str:
+        parts = ["bias"] if self.bias else []
+        parts += ["residual"] if self.residual else []
+        if self.activation:
+            parts.append(self.activation)
+        if self.attrs:
+            parts.append(hashlib.sha256(repr(self.attrs).encode()).hexdigest()[:6])
+        return "_".join(parts) or "plain"
+
+    def text(self) -> str:
+        t = "conv(x)" + (" + bias" if self.bias else "") + (" + residual" if self.residual else "")
+        return f"{self.activation}({t})" if self.activation else t
+
+
+def render(ep: _Epilogue, threads: int) -> tuple[str, str]:
+    """(kernel name, C source) of the transforms with epilogue ``ep``."""
+    name = f"winograd_f43_{ep.tag()}"
+    act = "acc_v"
+    if ep.activation:
+        expr = activation_expr(ep.activation, dict(ep.attrs), Acc())
+        act = c_expr(expr, lambda x: "")
+    src = (
+        environment()
+        .get_template("winograd.c.j2")
+        .render(
+            name=name,
+            epilogue_text=ep.text(),
+            VL=CHANNEL_MULTIPLE,
+            threads=threads,
+            bias="bias" if ep.bias else "",
+            residual=ep.residual,
+            activation=act,
+        )
+    )
+    return name, src
+
+
+def winograd_kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Any | None:
+    """The Winograd call for ``node`` (same arguments and result as the vendor conv:
+    ``fn(x, w[, b][, residual])`` -> a new channels_last tensor, with ``into_residual``),
+    or None where the rule says oneDNN's direct call is faster, or the transforms failed
+    to compile (warned; ``options.strict`` raises)."""
+    if why_not(graph, node) is not None:
+        return None
+    a = node.attrs
+    residual = bool(a.get("residual", False))
+    has_bias = len(node.inputs) - int(residual) == 3
+    name, attrs = activation_attrs(node)
+    ep = _Epilogue(has_bias, residual, name, tuple(sorted(attrs.items())))
+    try:
+        kname, src = render(ep, max(1, hardware.cores))
+    except NotFusable:
+        return None  # an activation without loop semantics: oneDNN fuses it
+    try:
+        built = build_c(
+            kname, src, options.cache_dir, key_extra=(options.codegen_key(), hardware.key())
+        )
+    except CompileError as e:
+        if options.strict:
+            raise
+        warnings.warn(
+            f"{node.name} runs as oneDNN's direct convolution: its Winograd transforms "
+            f"failed to compile; source: {e.source_path}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    lib = load_shared(built.binary)
+    f_in = getattr(lib, f"{kname}_in")
+    f_in.restype = None
+    f_in.argtypes = (
+        [ctypes.c_void_p, ctypes.c_void_p]
+        + [ctypes.c_int] * 6
+        + [
+            ctypes.c_long,
+            ctypes.c_int,
+        ]
+    )
+    f_out = getattr(lib, f"{kname}_out")
+    f_out.restype = None
+    f_out.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_long, ctypes.c_int]
+
+    x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    c, h, w = x_t.shape[1], x_t.shape[2], x_t.shape[3]
+    k, oh, ow = out_t.shape[1], out_t.shape[2], out_t.shape[3]
+    ph, pw = _pair(a["padding"])
+    u = transform_weight(graph.params[node.inputs[1]])
+    bias = (
+        torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[2]], dtype=np.float32))
+        if has_bias
+        else None
+    )
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    cl = torch.channels_last
+
+    def run(x: torch.Tensor, res: torch.Tensor | None, y: torch.Tensor) -> None:
+        n = x.shape[0]
+        tiles = tiles_of(n, oh, ow)
+        chunk = chunk_tiles(c, k, tiles)
+        v_buf = torch.empty(36 * chunk * c)
+        m_buf = torch.empty(36 * chunk * k)
+        res_ptr = res.data_ptr() if res is not None else None
+        for t0 in range(0, tiles, chunk):
+            t = min(chunk, tiles - t0)
+            f_in(x.data_ptr(), v_buf.data_ptr(), n, h, w, c, ph, pw, t0, t)
+            mm = m_buf[: 36 * t * k].view(36, t, k)
+            torch.bmm(v_buf[: 36 * t * c].view(36, t, c), u, out=mm)
+            f_out(mm.data_ptr(), bias_ptr, res_ptr, y.data_ptr(), oh, ow, k, t0, t)
+
+    def dense(t: torch.Tensor) -> torch.Tensor:
+        return t if t.is_contiguous(memory_format=cl) else t.contiguous(memory_format=cl)
+
+    def conv_winograd(x, _w, *rest):
+        x = dense(x)
+        y = torch.empty((x.shape[0], k, oh, ow), memory_format=cl)
+        run(x, dense(rest[-1]) if residual else None, y)
+        return y
+
+    conv_winograd.algorithm = "winograd F(4x4,3x3)"  # type: ignore[attr-defined]
+    conv_winograd.workspace_bytes = lambda n: (
+        36
+        * 4
+        * (c + k)
+        * chunk_tiles(  # type: ignore[attr-defined]
+            c, k, tiles_of(n, oh, ow)
+        )
+    )
+    conv_winograd.weight = u  # type: ignore[attr-defined]
+    if residual:
+
+        def conv_winograd_into_residual(x, _w, *rest):
+            # writes over the residual (each element is read, then written, by one thread)
+            r = rest[-1]
+            if not r.is_contiguous(memory_format=cl):
+                return conv_winograd(x, _w, *rest)
+            run(dense(x), r, r)
+            return r
+
+        conv_winograd.into_residual = conv_winograd_into_residual  # type: ignore[attr-defined]
+    return conv_winograd

@@ -1,0 +1,257 @@
+"""Winograd F(4x4, 3x3) convolutions (backends/x86/winograd.py) against PyTorch.
+
+Each case builds a one-node conv graph (seeded weights), runs the Winograd call and the
+catalogue reference (``F.conv2d`` + epilogue) on seeded random inputs. Tolerance: F(4x4,
+3x3) in float32 rounds its transforms (points up to +-2, divisors up to 24), measured about
+1e-5 of the output's scale; the tests allow atol = rtol = 1e-4 of the output scale, the
+tolerance of the network tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from fusion_helpers import conv_graph, hardware
+from middleware.backends.x86 import winograd as wg
+
+import middleware
+from middleware.compiler import compile_graph
+from middleware.errors import CompileError
+from middleware.ops import get_op
+from middleware.options import Options
+
+CL = torch.channels_last
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
+    scale = max(1e-12, float(ref.abs().max()))
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol * scale)
+
+
+def _inputs(g, seed: int = 1) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    args = [torch.randn(g.values["x"].shape).contiguous(memory_format=CL)]
+    args.append(torch.from_numpy(g.params["w"]))
+    if "b" in g.params:
+        args.append(torch.from_numpy(g.params["b"]))
+    if "r" in g.values:
+        args.append(torch.randn(g.values["r"].shape).contiguous(memory_format=CL))
+    return args
+
+
+def _kernel(g, node, tmp_path, **opts):
+    fn = wg.winograd_kernel(g, node, Options(cache_dir=tmp_path, **opts), hardware())
+    assert fn is not None, wg.why_not(g, node)
+    return fn
+
+
+def _check(g, node, tmp_path) -> None:
+    args = _inputs(g)
+    ref = get_op("conv2d").bind(node)(*args)
+    before = [a.clone() for a in args]
+    y = _kernel(g, node, tmp_path)(*args)
+    for a, b in zip(args, before, strict=True):
+        assert torch.equal(a, b), "the Winograd call wrote into an input"
+    assert y.is_contiguous(memory_format=CL)
+    _close(y, ref)
+
+
+# (x shape, out channels, padding): sizes not a multiple of the 4x4 tile, every padding
+# the rule admits (0, 1, 2, rectangular), channels a multiple of 16 but not of 64
+SHAPES = [
+    ((1, 64, 16, 16), 64, 1),
+    ((3, 64, 13, 10), 80, 1),
+    ((2, 80, 9, 7), 64, 0),
+    ((2, 64, 11, 6), 96, 2),
+    ((1, 96, 17, 9), 64, (1, 0)),
+    ((1, 64, 3, 3), 64, 1),  # one tile per image, partly outside the output
+]
+
+
+@pytest.fixture(autouse=True)
+def _small_tiles_allowed(monkeypatch):
+    # the speed rule wants >= MIN_TILES tiles; the arithmetic is tested on any size
+    monkeypatch.setattr(wg, "MIN_TILES", 1)
+
+
+@pytest.mark.parametrize("case", range(len(SHAPES)))
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_conv(case, bias, tmp_path):
+    xs, k, pad = SHAPES[case]
+    g, node = conv_graph(xs, (k, xs[1], 3, 3), "nhwc", padding=pad, bias=bias)
+    _check(g, node, tmp_path)
+
+
+EPILOGUES = [
+    ("relu", ()),
+    ("hardtanh", (("min_val", 0.0), ("max_val", 6.0))),
+    ("leaky_relu", (("negative_slope", 0.1),)),
+    ("silu", ()),
+    ("hardswish", ()),
+    ("sigmoid", ()),
+    ("gelu", (("approximate", "none"),)),
+]
+
+
+@pytest.mark.parametrize("act", range(len(EPILOGUES)))
+@pytest.mark.parametrize("residual", [False, True])
+def test_epilogues(act, residual, tmp_path):
+    name, attrs = EPILOGUES[act]
+    g, node = conv_graph(
+        (2, 64, 10, 9),
+        (64, 64, 3, 3),
+        "nhwc",
+        padding=1,
+        activation=name,
+        activation_attrs=attrs,
+        residual=residual,
+    )
+    _check(g, node, tmp_path)
+
+
+def test_residual_only(tmp_path):
+    g, node = conv_graph((2, 64, 9, 9), (64, 64, 3, 3), "nhwc", padding=1, residual=True)
+    _check(g, node, tmp_path)
+
+
+def test_into_residual_writes_over_it(tmp_path):
+    g, node = conv_graph(
+        (2, 64, 10, 10), (64, 64, 3, 3), "nhwc", padding=1, activation="relu", residual=True
+    )
+    args = _inputs(g)
+    ref = get_op("conv2d").bind(node)(*args)
+    fn = _kernel(g, node, tmp_path)
+    r = args[-1]
+    y = fn.into_residual(*args)
+    assert y.data_ptr() == r.data_ptr()
+    _close(y, ref)
+
+
+def test_many_chunks_and_a_partial_last_one(monkeypatch, tmp_path):
+    # 2 * 4 * 4 = 32 tiles in chunks of 5 (V + M of 5 tiles): 6 full chunks and one of 2
+    monkeypatch.setattr(wg, "MIN_CHUNK_TILES", 1)
+    monkeypatch.setattr(wg, "WORKSPACE_BYTES", 5 * 36 * 4 * (64 + 64))
+    assert wg.chunk_tiles(64, 64, 32) == 5
+    g, node = conv_graph((2, 64, 16, 15), (64, 64, 3, 3), "nhwc", padding=1, activation="relu")
+    _check(g, node, tmp_path)
+
+
+def test_weight_transform_is_exact_on_one_tile():
+    # U = G g G^T, then V = B^T d B and Y = A^T (U . V) A on one 6x6 patch, in float64,
+    # equal the 4x4 correlation of the patch: checks the matrices the C code spells out
+    torch.manual_seed(0)
+    w = torch.randn(1, 1, 3, 3, dtype=torch.float64)
+    d = torch.randn(6, 6, dtype=torch.float64)
+    bt = torch.tensor(
+        [
+            [4, 0, -5, 0, 1, 0],
+            [0, -4, -4, 1, 1, 0],
+            [0, 4, -4, -1, 1, 0],
+            [0, -2, -1, 2, 1, 0],
+            [0, 2, -1, -2, 1, 0],
+            [0, 4, 0, -5, 0, 1],
+        ],
+        dtype=torch.float64,
+    )
+    at = torch.tensor(
+        [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]],
+        dtype=torch.float64,
+    )
+    u = wg.transform_weight(w.numpy()).double().reshape(6, 6)
+    y = at @ (u * (bt @ d @ bt.T)) @ at.T
+    ref = torch.nn.functional.conv2d(d[None, None], w)[0, 0]
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)  # u was rounded to float32
+
+
+@pytest.mark.parametrize(
+    "xs,ws,kw,why",
+    [
+        ((1, 64, 16, 16), (64, 64, 3, 3), dict(stride=2, padding=1), "strided"),
+        ((1, 64, 16, 16), (64, 64, 3, 3), dict(dilation=2, padding=2), "dilated"),
+        ((1, 64, 16, 16), (64, 1, 3, 3), dict(groups=64, padding=1), "grouped"),
+        ((1, 64, 16, 16), (64, 64, 1, 1), {}, "not 3x3"),
+        ((1, 64, 16, 16), (64, 64, 5, 5), dict(padding=2), "not 3x3"),
+        ((1, 32, 16, 16), (64, 32, 3, 3), dict(padding=1), "channels"),
+        ((1, 64, 16, 16), (72, 64, 3, 3), dict(padding=1), "channels"),
+        ((1, 64, 16, 16), (64, 64, 3, 3), dict(padding=3), "padding"),
+    ],
+)
+def test_rule_says_why_not(xs, ws, kw, why):
+    g, node = conv_graph(xs, ws, "nhwc", **kw)
+    reason = wg.why_not(g, node)
+    assert reason is not None and why in reason
+
+
+def test_rule_wants_enough_tiles_and_channels_last(monkeypatch):
+    monkeypatch.setattr(wg, "MIN_TILES", 16)
+    g, node = conv_graph((1, 64, 8, 8), (64, 64, 3, 3), "nhwc", padding=1)  # 4 tiles
+    assert "tiles" in wg.why_not(g, node)
+    g, node = conv_graph((1, 64, 8, 8), (64, 64, 3, 3), "nchw", padding=1)
+    assert "channels_last" in wg.why_not(g, node)
+    g, node = conv_graph((1, 64, 16, 16), (64, 64, 3, 3), "nhwc", padding=1)
+    assert wg.why_not(g, node) is None
+
+
+def test_compile_failure_falls_back_to_onednn(monkeypatch, tmp_path):
+    def broken(*_a, **_k):
+        raise CompileError("cc failed", stderr="error: broken", source_path=tmp_path / "k.c")
+
+    monkeypatch.setattr(wg, "build_c", broken)
+    g, node = conv_graph((1, 64, 16, 16), (64, 64, 3, 3), "nhwc", padding=1)
+    with pytest.warns(RuntimeWarning, match="Winograd transforms failed to compile"):
+        assert wg.winograd_kernel(g, node, Options(cache_dir=tmp_path), hardware()) is None
+    with pytest.raises(CompileError):
+        wg.winograd_kernel(g, node, Options(cache_dir=tmp_path, strict=True), hardware())
+
+
+class _Block(nn.Module):
+    """conv-bn-relu, conv-bn + identity, relu: a resnet basic block behind a stem."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1), nn.ReLU())
+        self.c1, self.b1 = nn.Conv2d(64, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64)
+        self.c2, self.b2 = nn.Conv2d(64, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        y = torch.relu(self.b1(self.c1(x)))
+        return torch.relu(self.b2(self.c2(y)) + x)
+
+
+def _block() -> nn.Module:
+    torch.manual_seed(0)
+    m = _Block()
+    with torch.no_grad():
+        for bn in (m.b1, m.b2):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2)
+            bn.weight.uniform_(0.5, 1.5)
+    return m.eval()
+
+
+def test_network_runs_winograd_and_says_so(tmp_path):
+    m = _block()
+    x = torch.randn(2, 3, 20, 20)
+    opt = middleware.optimize(m, example_inputs=[x], cache_dir=tmp_path)
+    with torch.inference_mode():
+        ref = m(x)
+    _close(opt(x), ref)
+    rep = opt.report()
+    wino = [r.node for r in rep.rows if r.reason.startswith("winograd")]
+    assert len(wino) == 2  # the two 64->64 convs; the 3->64 stem stays oneDNN's
+    assert any("Winograd" in n for n in rep.notes)
+    off = middleware.optimize(m, example_inputs=[x], cache_dir=tmp_path, winograd=False)
+    _close(off(x), ref)
+    assert not [r for r in off.report().rows if r.reason.startswith("winograd")]
+
+
+def test_plan_counts_the_workspace(tmp_path):
+    g, node = conv_graph((2, 64, 16, 16), (64, 64, 3, 3), "nhwc", padding=1, activation="relu")
+    compiled = compile_graph(g, Options(cache_dir=tmp_path, measure_hardware=False))
+    plan = compiled.plan
+    (i,) = [k for k, st in enumerate(plan.steps) if st.nodes == (node.name,)]
+    want = 36 * 4 * (64 + 64) * wg.chunk_tiles(64, 64, wg.tiles_of(2, 16, 16))
+    assert plan.memory.temps[i] == want
+    assert plan.predicted_peak_io() >= want
