@@ -85,10 +85,17 @@ def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.dev
     """
     fused: dict[str, Unit] = {}
     failed: dict[str, str] = {}
+    winograd = options.winograd and device.type == "cpu"
+    if winograd:  # their transforms compile while the fused groups do
+        from .backends.x86.winograd import prebuild, winograd_kernel
+
+        prebuilding = prebuild(graph, options, hardware)
     if options.fuse and device.type == "cpu":
         from .backends.x86.units import fusion_units
 
         fused, failed = fusion_units(graph, options, hardware)
+    if winograd:
+        prebuilding.join()
     covered = {name for u in fused.values() for name in u.nodes}
     units: list[Unit] = []
     for n in graph.nodes():
@@ -99,11 +106,7 @@ def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.dev
             continue
         runs_as, fn, reason = node_step(graph, n, device)
         if runs_as == "vendor":
-            wino = None
-            if options.winograd and device.type == "cpu":
-                from .backends.x86.winograd import winograd_kernel
-
-                wino = winograd_kernel(graph, n, options, hardware)
+            wino = winograd_kernel(graph, n, options, hardware) if winograd else None
             fn = wino or vendor_kernel(graph, n, device, hardware) or fn
             if wino is not None:
                 reason = wino.algorithm

@@ -255,3 +255,17 @@ def test_plan_counts_the_workspace(tmp_path):
     want = 36 * 4 * (64 + 64) * wg.chunk_tiles(64, 64, wg.tiles_of(2, 16, 16))
     assert plan.memory.temps[i] == want
     assert plan.predicted_peak_io() >= want
+
+
+def test_prebuild_compiles_every_variant_the_graph_needs(tmp_path):
+    m = _block()
+    x = torch.randn(2, 3, 20, 20)
+    g = middleware.optimize(m, example_inputs=[x], cache_dir=tmp_path / "a").graph
+    opts = Options(cache_dir=tmp_path / "b", measure_hardware=False)
+    wg.prebuild(g, opts, hardware()).join()
+    built = sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "b" / "kernels").iterdir())
+    wanted = sorted(
+        {wg.render(wg._epilogue(n), hardware().cores)[0] for n in g.nodes() if not wg.why_not(g, n)}
+    )
+    assert len(wanted) == 2 and built == wanted  # conv + BN + ReLU; conv + BN + residual + ReLU
+    assert all(list((tmp_path / "b" / "kernels").glob(f"{w}-*/kernel.so")) for w in wanted)

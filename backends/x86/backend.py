@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import shutil
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ class GeneratedKernel:
 
 
 _LIBS: dict[Path, ctypes.CDLL] = {}
+# Scheduling and rendering (islpy, one shared isl context) run one at a time; compiles of
+# several groups may overlap (fusion_units builds groups from a thread pool).
+_SCHEDULE_LOCK = threading.RLock()
 
 
 def _memory_format(layout: str, rank: int) -> torch.memory_format:
@@ -236,12 +240,13 @@ class X86Backend:
             if kernel is not None:
                 return kernel
         try:
-            schedule = self.schedule(graph, nodes, hardware)
+            with _SCHEDULE_LOCK:
+                schedule = self.schedule(graph, nodes, hardware)
+                source = self.render(schedule)
         except NotFusable as e:
             if key is not None:
                 index.put(options.cache_dir, key, index.IndexRecord("not_fusable", why=str(e)))
             raise
-        source = self.render(schedule)
         built = self.compile(schedule, source, options, hardware)
         kernel = self.load(schedule, built, graph)
         if key is not None and built.cache_key:

@@ -11,6 +11,8 @@ and its nodes run through the framework with the compiler's message as the reaso
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -23,7 +25,7 @@ from ...loops import RULES, VIEWS, NotFusable, loops_of
 from ...ops import get_op
 from ...options import Options
 from ...runtime.plan import Unit
-from .backend import X86Backend
+from .backend import GeneratedKernel, X86Backend
 from .vendor import ONEDNN_DTYPES
 
 
@@ -122,14 +124,31 @@ def _worth_it(graph: Graph, names: Sequence[str]) -> bool:
     return any(graph.node(n).op not in VIEWS for n in names)
 
 
+def _build(
+    backend: X86Backend,
+    graph: Graph,
+    names: Sequence[str],
+    options: Options,
+    hardware: Hardware,
+) -> tuple[GeneratedKernel | None, BaseException | None]:
+    try:
+        return backend.build(graph, names, options, hardware), None
+    except Exception as e:  # noqa: BLE001 - sorted out by the caller, in group order
+        return None, e
+
+
 def fusion_units(
     graph: Graph, options: Options, hardware: Hardware
 ) -> tuple[dict[str, Unit], dict[str, str]]:
     """(generated units keyed by the node whose position they take in the plan, fallback
-    reasons keyed by node name for groups whose compile failed)."""
+    reasons keyed by node name for groups whose compile failed).
+
+    The groups build from a thread pool (one worker per core): while one group's C
+    compiler runs, the next group is scheduled; failures are reported in group order."""
     backend = X86Backend()
     units: dict[str, Unit] = {}
     failed: dict[str, str] = {}
+    todo: list[list[str]] = []
     for group in io_groups(graph):
         candidates = [group]
         ok, why = backend.can_run(graph, group, hardware, options)
@@ -138,48 +157,50 @@ def fusion_units(
             for run in _runs(graph, group):
                 pieces = _split_at_escapes(graph, group, run)
                 candidates += [p for p in pieces if p != group]
-        for names in candidates:
-            if not _worth_it(graph, names):
-                continue
-            try:
-                kernel = backend.build(graph, names, options, hardware)
-            except NotFusable:
-                continue
-            except CompileError as e:
-                if options.strict:
-                    raise
-                gid = graph.node(names[0]).group
-                warnings.warn(
-                    f"group {gid} ({', '.join(names)}) runs through the framework: its "
-                    f"generated kernel failed to compile; source: {e.source_path}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                msg = (e.stderr or str(e)).strip().splitlines()
-                reason = "compile failed: " + " | ".join(msg[:3])
-                for n in names:
-                    failed[n] = reason
-                continue
-            except Exception as e:  # noqa: BLE001 - a generator bug must not break optimize()
-                if options.strict:
-                    raise
-                warnings.warn(
-                    f"group ({', '.join(names)}) runs through the framework: generating it "
-                    f"failed with {type(e).__name__}: {e}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                continue
-            producer = graph.producer(kernel.outputs[0])
-            assert producer is not None
-            units[producer.name] = Unit(
-                kernel.name,
-                "generated",
-                kernel.fn,
-                kernel.inputs,
-                kernel.outputs,
-                tuple(names),
-                "",
-                kernel.out_fn,
+        todo += [names for names in candidates if _worth_it(graph, names)]
+    workers = max(1, min(len(todo), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(_build, backend, graph, n, options, hardware) for n in todo]
+        results = [f.result() for f in futures]
+    for names, (kernel, err) in zip(todo, results, strict=True):
+        if isinstance(err, NotFusable):
+            continue
+        if isinstance(err, CompileError):
+            if options.strict:
+                raise err
+            gid = graph.node(names[0]).group
+            warnings.warn(
+                f"group {gid} ({', '.join(names)}) runs through the framework: its "
+                f"generated kernel failed to compile; source: {err.source_path}",
+                RuntimeWarning,
+                stacklevel=2,
             )
+            msg = (err.stderr or str(err)).strip().splitlines()
+            reason = "compile failed: " + " | ".join(msg[:3])
+            for n in names:
+                failed[n] = reason
+            continue
+        if err is not None:  # a generator bug must not break optimize()
+            if options.strict:
+                raise err
+            warnings.warn(
+                f"group ({', '.join(names)}) runs through the framework: generating it "
+                f"failed with {type(err).__name__}: {err}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        assert kernel is not None
+        producer = graph.producer(kernel.outputs[0])
+        assert producer is not None
+        units[producer.name] = Unit(
+            kernel.name,
+            "generated",
+            kernel.fn,
+            kernel.inputs,
+            kernel.outputs,
+            tuple(names),
+            "",
+            kernel.out_fn,
+        )
     return units, failed

@@ -29,7 +29,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import threading
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,8 @@ from ...graph import Graph, Node
 from ...hardware import Hardware
 from ...loops import Acc, NotFusable, activation_expr
 from ...options import Options
-from .build import load_shared
+from ..cache import kernel_cache
+from .build import c_build_request, load_shared
 from .cfuncs import c_expr
 from .compile import build_c
 from .render import environment
@@ -76,13 +79,15 @@ _G = np.array(
 
 
 def transform_weight(weight: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """``U[36][C][K]`` (float32, contiguous) of a ``[K][C][3][3]`` weight, computed in
-    float64: position ``i*6 + j`` holds ``(G g G^T)[i][j]`` for every (c, k)."""
-    w = torch.as_tensor(np.asarray(weight, dtype=np.float64))
-    g = torch.from_numpy(_G)
-    u = torch.einsum("ij,kcjl,ml->imck", g, w, g)  # [6][6][C][K]
+    """``U[36][C][K]`` (float32, contiguous) of a ``[K][C][3][3]`` weight: position
+    ``i*6 + j`` holds ``(G g G^T)[i][j]`` for every (c, k). One GEMM writes the final layout:
+    ``U = (G kron G) @ w[3][3][C][K]`` viewed as ``[36][9] @ [9][C*K]`` (7x faster than an
+    einsum and a transposing copy on 512x512 weights: 15 against 108 ms)."""
+    w = torch.as_tensor(np.asarray(weight, dtype=np.float32))
     k, c = w.shape[0], w.shape[1]
-    return u.reshape(36, c, k).to(torch.float32).contiguous()
+    g = torch.from_numpy(_G)
+    t = torch.kron(g, g).to(torch.float32)  # [36][9]: (i*6 + j, a*3 + b) -> G[i][a] G[j][b]
+    return (t @ w.permute(2, 3, 1, 0).reshape(9, c * k)).reshape(36, c, k)
 
 
 def tiles_of(n: int, oh: int, ow: int) -> int:
@@ -176,6 +181,39 @@ def render(ep: _Epilogue, threads: int) -> tuple[str, str]:
     return name, src
 
 
+def _epilogue(node: Node) -> _Epilogue:
+    residual = bool(node.attrs.get("residual", False))
+    name, attrs = activation_attrs(node)
+    return _Epilogue(
+        len(node.inputs) - int(residual) == 3, residual, name, tuple(sorted(attrs.items()))
+    )
+
+
+def prebuild(graph: Graph, options: Options, hardware: Hardware) -> threading.Thread:
+    """Start compiling, in the background, the transforms every eligible convolution of
+    ``graph`` will ask for (``winograd_kernel`` then finds them in the kernel cache); join
+    the returned thread before building the plan. Failures are left to ``winograd_kernel``,
+    which reports them."""
+    reqs = {}
+    for node in graph.nodes():
+        if why_not(graph, node) is None:
+            try:
+                kname, src = render(_epilogue(node), max(1, hardware.cores))
+            except NotFusable:
+                continue
+            reqs[kname] = c_build_request(
+                kname, src, key_extra=(options.codegen_key(), hardware.key())
+            )
+
+    def work() -> None:
+        if reqs:
+            kernel_cache(Path(options.cache_dir)).build_many(list(reqs.values()), progress=False)
+
+    t = threading.Thread(target=work, name="winograd-prebuild", daemon=True)
+    t.start()
+    return t
+
+
 def winograd_kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Any | None:
     """The Winograd call for ``node`` (same arguments and result as the vendor conv:
     ``fn(x, w[, b][, residual])`` -> a new channels_last tensor, with ``into_residual``),
@@ -184,10 +222,8 @@ def winograd_kernel(graph: Graph, node: Node, options: Options, hardware: Hardwa
     if why_not(graph, node) is not None:
         return None
     a = node.attrs
-    residual = bool(a.get("residual", False))
-    has_bias = len(node.inputs) - int(residual) == 3
-    name, attrs = activation_attrs(node)
-    ep = _Epilogue(has_bias, residual, name, tuple(sorted(attrs.items())))
+    ep = _epilogue(node)
+    residual, has_bias = ep.residual, ep.bias
     try:
         kname, src = render(ep, max(1, hardware.cores))
     except NotFusable:
