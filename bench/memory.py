@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()} threads\n"
     )
     print(
-        "| network | params MiB | original peak I/O MiB | optimized peak I/O MiB | ratio "
+        "| network | params MiB original / optimized | original peak I/O MiB | optimized peak I/O MiB | ratio "
         "| plan: arena / predicted MiB | original ms | optimized ms |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             else "-"
         )
         print(
-            f"| {name} | {o.param_bytes / MIB:.1f} | {o.peak_io_bytes / MIB:.1f} | "
+            f"| {name} | {o.param_bytes / MIB:.1f} / {p.param_bytes / MIB:.1f} | "
+            f"{o.peak_io_bytes / MIB:.1f} | "
             f"{p.peak_io_bytes / MIB:.1f} | {r.io_ratio:.2f} | {planned} | "
             f"{o.latency_ms:.0f} | {p.latency_ms:.0f} |",
             flush=True,

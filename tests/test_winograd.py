@@ -71,8 +71,8 @@ SHAPES = [
 
 @pytest.fixture(autouse=True)
 def _small_tiles_allowed(monkeypatch):
-    # the speed rule wants >= MIN_TILES tiles; the arithmetic is tested on any size
-    monkeypatch.setattr(wg, "MIN_TILES", 1)
+    # the rule wants >= MIN_PIXELS output pixels; the arithmetic is tested on any size
+    monkeypatch.setattr(wg, "MIN_PIXELS", 1)
 
 
 @pytest.mark.parametrize("case", range(len(SHAPES)))
@@ -183,10 +183,10 @@ def test_rule_says_why_not(xs, ws, kw, why):
     assert reason is not None and why in reason
 
 
-def test_rule_wants_enough_tiles_and_channels_last(monkeypatch):
-    monkeypatch.setattr(wg, "MIN_TILES", 16)
-    g, node = conv_graph((1, 64, 8, 8), (64, 64, 3, 3), "nhwc", padding=1)  # 4 tiles
-    assert "tiles" in wg.why_not(g, node)
+def test_rule_wants_enough_pixels_and_channels_last(monkeypatch):
+    monkeypatch.setattr(wg, "MIN_PIXELS", 256)
+    g, node = conv_graph((1, 64, 8, 8), (64, 64, 3, 3), "nhwc", padding=1)  # 64 pixels
+    assert "pixels" in wg.why_not(g, node)
     g, node = conv_graph((1, 64, 8, 8), (64, 64, 3, 3), "nchw", padding=1)
     assert "channels_last" in wg.why_not(g, node)
     g, node = conv_graph((1, 64, 16, 16), (64, 64, 3, 3), "nhwc", padding=1)

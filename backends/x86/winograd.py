@@ -57,7 +57,12 @@ from .vendor import activation_attrs
 # growth convs: 0.6-0.95x), 16->32 @28 0.5x, 512->512 @7 at batch 1 (4 tiles) 0.5x.
 MIN_CHANNELS = 64  # input and output channels
 CHANNEL_MULTIPLE = 16  # the transforms' SIMD block (one AVX-512 register)
-MIN_TILES = 16  # 4x4 output tiles per call (the GEMM's rows)
+# Output pixels per call (N * OH * OW). U holds 4x the weight (36 against 9 values per
+# channel pair): 108 * C * K extra bytes, while the time saved grows with the pixels (about
+# 0.5 us per pixel per extra MiB at the measured 2.2x); below 2048 pixels a layer would
+# spend more than 1 MiB of weights per millisecond saved (resnet18's 7x7 512-channel
+# layers at batch 16: 113 MiB for about 15 ms).
+MIN_PIXELS = 2048
 # Bytes of V + M per chunk of tiles, and the least tiles per chunk (smaller GEMMs lose
 # more to the re-read of U than the cache saves).
 WORKSPACE_BYTES = 8 << 20
@@ -127,8 +132,8 @@ def why_not(graph: Graph, node: Node) -> str | None:
     c, k = x_t.shape[1], out_t.shape[1]
     if min(c, k) < MIN_CHANNELS or c % CHANNEL_MULTIPLE or k % CHANNEL_MULTIPLE:
         return f"{c}->{k} channels (the rule wants >= {MIN_CHANNELS}, multiples of 16)"
-    if tiles_of(out_t.shape[0], out_t.shape[2], out_t.shape[3]) < MIN_TILES:
-        return f"fewer than {MIN_TILES} output tiles"
+    if out_t.shape[0] * out_t.shape[2] * out_t.shape[3] < MIN_PIXELS:
+        return f"fewer than {MIN_PIXELS} output pixels (weights 4x for little time)"
     if node.inputs[1] not in graph.params:
         return "weight is computed"
     residual = bool(a.get("residual", False))
