@@ -47,7 +47,7 @@ from .build import c_build_request, load_shared
 from .cfuncs import c_expr
 from .compile import build_c
 from .render import environment
-from .vendor import activation_attrs
+from .vendor import _conv_geometry, activation_attrs
 
 # When a convolution runs as Winograd (else oneDNN's direct call). Measured on the 2-core
 # AVX-512 host (torch 2.14.1), ReLU epilogue, against the prepacked oneDNN call, with an
@@ -106,10 +106,6 @@ def chunk_tiles(c: int, k: int, tiles: int) -> int:
     return max(1, min(tiles, max(MIN_CHUNK_TILES, WORKSPACE_BYTES // per_tile)))
 
 
-def _pair(v: Any) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[-1]))
-
-
 def why_not(graph: Graph, node: Node) -> str | None:
     """None when ``node`` runs faster as Winograd by the measured rule, else why not."""
     if node.op != "conv2d":
@@ -125,9 +121,9 @@ def why_not(graph: Graph, node: Node) -> str | None:
         return "not channels_last"
     if tuple(w_t.shape[2:]) != (3, 3):
         return f"kernel {tuple(w_t.shape[2:])}, not 3x3"
-    if _pair(a["stride"]) != (1, 1) or _pair(a["dilation"]) != (1, 1) or int(a["groups"]) != 1:
+    (ph, pw), stride, dilation, groups = _conv_geometry(node)
+    if stride != [1, 1] or dilation != [1, 1] or groups != 1:
         return "strided, dilated or grouped"
-    ph, pw = _pair(a["padding"])
     if not (0 <= ph <= 2 and 0 <= pw <= 2):
         return f"padding {(ph, pw)} beyond 2"
     c, k = x_t.shape[1], out_t.shape[1]
@@ -227,7 +223,6 @@ def winograd_kernel(graph: Graph, node: Node, options: Options, hardware: Hardwa
     to compile (warned; ``options.strict`` raises)."""
     if why_not(graph, node) is not None:
         return None
-    a = node.attrs
     ep = _epilogue(node)
     residual, has_bias = ep.residual, ep.bias
     try:
@@ -251,14 +246,7 @@ def winograd_kernel(graph: Graph, node: Node, options: Options, hardware: Hardwa
     lib = load_shared(built.binary)
     f_in = getattr(lib, f"{kname}_in")
     f_in.restype = None
-    f_in.argtypes = (
-        [ctypes.c_void_p, ctypes.c_void_p]
-        + [ctypes.c_int] * 6
-        + [
-            ctypes.c_long,
-            ctypes.c_int,
-        ]
-    )
+    f_in.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_int]
     f_out = getattr(lib, f"{kname}_out")
     f_out.restype = None
     f_out.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_long, ctypes.c_int]
@@ -266,7 +254,7 @@ def winograd_kernel(graph: Graph, node: Node, options: Options, hardware: Hardwa
     x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
     c, h, w = x_t.shape[1], x_t.shape[2], x_t.shape[3]
     k, oh, ow = out_t.shape[1], out_t.shape[2], out_t.shape[3]
-    ph, pw = _pair(a["padding"])
+    (ph, pw), _, _, _ = _conv_geometry(node)
     u = transform_weight(graph.params[node.inputs[1]])
     bias = (
         torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[2]], dtype=np.float32))
@@ -276,16 +264,19 @@ def winograd_kernel(graph: Graph, node: Node, options: Options, hardware: Hardwa
     bias_ptr = bias.data_ptr() if bias is not None else None
     cl = torch.channels_last
 
+    def workspace(n: int) -> int:
+        """Bytes of V + M for a call at batch ``n`` (the plan counts them as temporaries)."""
+        return 36 * 4 * (c + k) * chunk_tiles(c, k, tiles_of(n, oh, ow))
+
     def run(x: torch.Tensor, res: torch.Tensor | None, y: torch.Tensor) -> None:
-        n = x.shape[0]
-        tiles = tiles_of(n, oh, ow)
+        tiles = tiles_of(x.shape[0], oh, ow)
         chunk = chunk_tiles(c, k, tiles)
         v_buf = torch.empty(36 * chunk * c)
         m_buf = torch.empty(36 * chunk * k)
         res_ptr = res.data_ptr() if res is not None else None
         for t0 in range(0, tiles, chunk):
             t = min(chunk, tiles - t0)
-            f_in(x.data_ptr(), v_buf.data_ptr(), n, h, w, c, ph, pw, t0, t)
+            f_in(x.data_ptr(), v_buf.data_ptr(), h, w, c, ph, pw, t0, t)
             mm = m_buf[: 36 * t * k].view(36, t, k)
             torch.bmm(v_buf[: 36 * t * c].view(36, t, c), u, out=mm)
             f_out(mm.data_ptr(), bias_ptr, res_ptr, y.data_ptr(), oh, ow, k, t0, t)
@@ -300,15 +291,7 @@ def winograd_kernel(graph: Graph, node: Node, options: Options, hardware: Hardwa
         return y
 
     conv_winograd.algorithm = "winograd F(4x4,3x3)"  # type: ignore[attr-defined]
-    conv_winograd.workspace_bytes = lambda n: (
-        36
-        * 4
-        * (c + k)
-        * chunk_tiles(  # type: ignore[attr-defined]
-            c, k, tiles_of(n, oh, ow)
-        )
-    )
-    conv_winograd.weight = u  # type: ignore[attr-defined]
+    conv_winograd.workspace_bytes = workspace  # type: ignore[attr-defined]
     if residual:
 
         def conv_winograd_into_residual(x, _w, *rest):
