@@ -19,6 +19,12 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "middleware"
 
 
+def check_memory_default() -> bool:
+    """``$MIDDLEWARE_CHECK_MEMORY`` set to anything but "" or "0" turns on the buffer plan's
+    run-time check (``Options.check_memory``)."""
+    return os.environ.get("MIDDLEWARE_CHECK_MEMORY", "") not in ("", "0")
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """Every setting of one ``optimize()`` call.
@@ -49,6 +55,10 @@ class Options:
     # batched GEMM, 2-2.5x faster on large layers, within ~1e-5 of the output's scale per
     # layer. False keeps every convolution in oneDNN's direct algorithm.
     winograd: bool = True
+    # Debug: after every planned step, verify that no output lands in arena bytes its value
+    # was not planned in (a framework allocation aliasing a live arena value); raises
+    # runtime.memory.MemoryCheckError. Default: $MIDDLEWARE_CHECK_MEMORY.
+    check_memory: bool = dataclasses.field(default_factory=check_memory_default)
 
     def codegen_key(self) -> str:
         """The settings that change generated code, as a stable string for cache keys."""
