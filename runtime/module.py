@@ -128,6 +128,11 @@ def _identity(t: torch.Tensor) -> tuple:
     return (ptr, tuple(t.shape), t.dtype, t.device)
 
 
+def _version(t: torch.Tensor) -> int:
+    # Inference tensors (made under torch.inference_mode()) have no version counter.
+    return -1 if t.is_inference() else t._version
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightSnapshot:
     """The user's parameters and buffers as the plans were built from them.
@@ -141,25 +146,31 @@ class WeightSnapshot:
 
     names: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
-    versions: tuple[int, ...]
+    versions: tuple[int, ...]  # per name, -1 for an inference tensor
     identities: tuple[tuple, ...]
     epoch: int
+    tracked: tuple[torch.Tensor, ...]  # the tensors with a version counter
+    tracked_versions: tuple[int, ...]
 
     @staticmethod
     def take(model: nn.Module) -> WeightSnapshot:
         named = list(model.named_parameters()) + list(model.named_buffers())
         tensors = tuple(t for _, t in named)
+        tracked = tuple(t for t in tensors if not t.is_inference())
         return WeightSnapshot(
             names=tuple(n for n, _ in named),
             tensors=tensors,
-            versions=tuple(map(_VERSION, tensors)),
+            versions=tuple(map(_version, tensors)),
             identities=tuple(map(_identity, tensors)),
             epoch=_registrations[0],
+            tracked=tracked,
+            tracked_versions=tuple(map(_VERSION, tracked)),
         )
 
     def current(self) -> bool:
         return (
-            _registrations[0] == self.epoch and tuple(map(_VERSION, self.tensors)) == self.versions
+            _registrations[0] == self.epoch
+            and tuple(map(_VERSION, self.tracked)) == self.tracked_versions
         )
 
     def changed(self, now: WeightSnapshot) -> list[str]:
@@ -352,7 +363,8 @@ class OptimizedModule(nn.Module):
         In-place writes (``load_state_dict``, ``weight.mul_(3)``, optimizer steps, running
         statistics) and replaced parameters are noticed by themselves through PyTorch's
         version counters. Writes through ``.data`` (``p.data.add_(...)``, ``p.data = t``,
-        ``model.half()``) bypass those counters: call ``refresh()`` after them.
+        ``model.half()``) and writes to inference tensors (a model built under
+        ``torch.inference_mode()``) bypass those counters: call ``refresh()`` after them.
         """
         with self._compile_lock:
             self._forget_plans("refresh()")

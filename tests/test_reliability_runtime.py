@@ -122,6 +122,19 @@ def test_replaced_parameter_is_used(net_and_optimized, tree_close) -> None:
     _check(optimized, model, x, tree_close)
 
 
+def test_a_model_built_under_inference_mode(tree_close) -> None:
+    # its tensors have no version counter: reading one raised RuntimeError
+    with torch.inference_mode():
+        model = Small().eval()
+    optimized = middleware.optimize(model)
+    x = torch.randn(2, 3, 8, 8)
+    _check(optimized, model, x, tree_close)
+    with torch.inference_mode():
+        model.conv.weight.mul_(2)  # not seen by any counter: refresh() says so
+    optimized.refresh()
+    _check(optimized, model, x, tree_close)
+
+
 def test_per_call_weight_check_is_cheap() -> None:
     # mobilenet_v3_small has 244 parameters and buffers; the check reads their version
     # counters in one map. Measured ~10-25 us on a loaded 2-core machine; the bound only
