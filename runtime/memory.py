@@ -782,6 +782,7 @@ def _checked(
         return r
 
     checked.__name__ = getattr(fn, "__name__", "step")  # the profiler names steps by it
+    checked.checks_memory = True  # type: ignore[attr-defined]
     return checked
 
 
