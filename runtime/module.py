@@ -281,7 +281,8 @@ class OptimizedModule(nn.Module):
                 else (example_inputs,)
             )
             self._check_types(inputs)
-            self._compile(inputs, self._signature(inputs))
+            with _GLOBAL_COMPILE_LOCK:  # optimize() may run in several threads at once
+                self._compile(inputs, self._signature(inputs))
 
     # ------------------------------------------------------------------ copies
     def __getstate__(self) -> dict[str, Any]:
@@ -501,7 +502,7 @@ class OptimizedModule(nn.Module):
     def _compile(self, inputs: Sequence[torch.Tensor], sig: tuple) -> tuple[Compiled | None, Any]:
         """Build (and cache) this signature's plan: (the entry, or None when the whole model
         falls back; the model's output when building it had to run the model, else _NOT_RUN).
-        Called under the compile lock (or from __init__)."""
+        Called under the process-wide compile lock (and the module's, after __init__)."""
         if self._original.training:  # switched back to training after optimize()
             self._refuse_training()
         device = torch.device(self.options.device)

@@ -235,6 +235,31 @@ def test_four_modules_compiling_in_four_threads(tree_close) -> None:
         assert len(o.signatures) == 3 and all(e.plan is not None for e in o._plans.values())
 
 
+def test_optimize_with_example_inputs_in_four_threads(tree_close) -> None:
+    models = [Small().eval() for _ in range(4)]
+    x = torch.randn(2, 3, 8, 8)
+    optimized: dict[int, nn.Module] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def worker(k: int) -> None:
+        try:
+            barrier.wait()
+            optimized[k] = middleware.optimize(models[k], example_inputs=x)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k, model in enumerate(models):
+        assert optimized[k].plan is not None, optimized[k].report()
+        _check(optimized[k], model, x, tree_close)
+
+
 # ------------------------------------------------------------------ degenerate inputs
 def test_zero_batch_runs_as_the_original(tree_close) -> None:
     model = Small().eval()
