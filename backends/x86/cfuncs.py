@@ -51,17 +51,20 @@ def c_expr(
     load: Callable[[Load], str],
     acc: str = "acc_v",
     table: dict[str, str] = C_FUNCS,
+    param: Callable[[ParamVec], str] | None = None,
 ) -> str:
     """C text of ``expr``; ``load`` renders a :class:`Load` (the address arithmetic);
-    ``table`` spells the functions (``C_FUNCS`` or ``ISPC_FUNCS``)."""
+    ``table`` spells the functions (``C_FUNCS`` or ``ISPC_FUNCS``); ``param`` renders a
+    :class:`ParamVec` (its element in the kernel's constant array, by default named
+    ``ParamVec.name``)."""
     if isinstance(expr, Const):
         return c_float(expr.value)
     if isinstance(expr, Load):
         return load(expr)
     if isinstance(expr, ParamVec):
-        return f"{expr.name}[{expr.index}]"
+        return param(expr) if param is not None else f"{expr.name}[{expr.index}]"
     if isinstance(expr, Acc):
         return acc
     if isinstance(expr, Call):
-        return table[expr.fn].format(*(c_expr(a, load, acc, table) for a in expr.args))
+        return table[expr.fn].format(*(c_expr(a, load, acc, table, param) for a in expr.args))
     raise TypeError(f"not an expression: {expr!r}")
