@@ -3,8 +3,10 @@
 Given the units of a plan (in execution order), :func:`plan_memory` decides where each
 value lives:
 
-- ``view``: a view-like op (flatten, reshape, split, identity, ...) or a fallback shares
-  the storage of its input; the two are one *storage class* whose lifetime is the union;
+- ``view``: a view-like op (flatten, reshape, split, identity, ...), a ``to_layout`` that
+  may answer with its input (:func:`_shares_storage`) or a fallback shares the storage of
+  its input; the two are one *storage class* whose lifetime is the union (an op planned as
+  a copy is copied at run time should ATen alias after all: :func:`_fresh_result`);
 - ``inplace``: an elementwise op whose input class is dead afterwards writes into it
   (relu, batch-norm, add of a dead residual, ...);
 - ``arena``: the output of a unit that can write into a given tensor (a destination-passing
@@ -25,6 +27,9 @@ value lives:
   tensor the user holds. Graph inputs and parameters are never written;
 - ``owned``: a graph input that the caller hands over to the plan (the cut values of a
   batch-chunked plan, runtime/chunked.py): it dies at its last read like a vendor value.
+
+``Options(check_memory=True)`` (``MIDDLEWARE_CHECK_MEMORY=1``) checks after every step
+that no output lands in arena bytes other than its own class's (:class:`MemoryCheckError`).
 
 The arena is one ``torch.empty(nbytes, dtype=torch.uint8)`` on the plan's device, made
 when the plan is built; the wrapped step functions hold views of it, so it lives exactly as
