@@ -417,6 +417,8 @@ class OptimizedModule(nn.Module):
     def _run_failed(self, inputs: Sequence[torch.Tensor], sig: tuple, failure: Exception) -> Any:
         """A plan raised while running (validated inputs, so a middleware bug): this signature
         runs as the original model from now on, with the reason in report()."""
+        if isinstance(failure, MiddlewareError) or getattr(self.options, "check_memory", False):
+            raise failure  # raised on purpose, or a debug check the user asked to hear
         reason = (
             f"the plan failed while running ({_first_line(failure)}); this input signature "
             "runs as the original PyTorch code"

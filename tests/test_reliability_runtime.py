@@ -330,16 +330,21 @@ def _raising_run(inputs):  # noqa: ANN001, ANN202
     raise AttributeError("'tuple' object has no attribute 'is_contiguous'")  # x.chunk(1) did
 
 
-@pytest.mark.parametrize("strict", [False, True])
-def test_a_plan_that_raises_while_running(strict: bool, tree_close) -> None:
+@pytest.mark.parametrize("mode", ["default", "strict", "check_memory"])
+def test_a_plan_that_raises_while_running(mode: str, tree_close) -> None:
     from middleware.errors import InternalError
 
     model = Small().eval()
     x = torch.randn(1, 3, 8, 8)
-    optimized = middleware.optimize(model, example_inputs=x, strict=strict)
+    options = {"default": {}, "strict": {"strict": True}, "check_memory": {"check_memory": True}}
+    optimized = middleware.optimize(model, example_inputs=x, **options[mode])
     optimized.plan.run = _raising_run
-    if strict:
+    if mode == "strict":
         with pytest.raises(InternalError, match="plan failed while running"):
+            optimized(x)
+        return
+    if mode == "check_memory":  # the debug mode's own errors must stay loud
+        with pytest.raises(AttributeError, match="is_contiguous"):
             optimized(x)
         return
     with pytest.warns(UserWarning, match="plan failed while running"):
