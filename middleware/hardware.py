@@ -25,6 +25,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -288,18 +289,29 @@ def detect_cpu(cache_dir: Path | None, measure: bool = True, pinned: Any = None)
     path = Path(cache_dir) / CACHE_FILE if cache_dir else None
     memo = _MEASURED.get(str(path))
     if memo is not None and all(getattr(memo, k) == v for k, v in static.items()):
-        return memo  # measured by this process already (a noisy one is not on disk)
-    cached = _read_cache(path, static)
-    if cached is not None:
-        return cached
+        return memo  # this process measured already (a noisy or failed one is not on disk)
+    hw = _read_cache(path, static) or _measure_or_defaults(static, path)
+    _MEASURED[str(path)] = hw
+    return hw
+
+
+def _measure_or_defaults(static: dict[str, Any], path: Path | None) -> Hardware:
+    """A new measurement (cached in ``path`` when quiet), or the documented defaults with a
+    warning when it failed or gave implausible figures."""
     try:
         m = measure_cpu()
+        bad = out_of_bounds("cpu", m.gflops, m.gbs)
     except Exception as e:  # noqa: BLE001 - a failed measurement falls back, and says so
-        why = f"the measurement failed ({type(e).__name__}: {e}); documented defaults"
-        return Hardware(**static, **CPU_DEFAULTS, detail=why)
-    bad = out_of_bounds("cpu", m.gflops, m.gbs)
-    if bad:
-        return Hardware(**static, **CPU_DEFAULTS, detail=f"measured {bad}; documented defaults")
+        m, bad = None, f"failed ({type(e).__name__}: {e})"
+    if m is None or bad:
+        why = f"the hardware measurement {'' if m is None else 'gave '}{bad}"
+        warnings.warn(
+            f"middleware: {why}; using the documented defaults {CPU_DEFAULTS} "
+            "(pin the figures with Options(hardware=...) or $MIDDLEWARE_HARDWARE)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return Hardware(**static, **CPU_DEFAULTS, detail=f"{why}; documented defaults")
     hw = Hardware(
         **static,
         peak_gflops=round(m.gflops, 1),
@@ -310,7 +322,6 @@ def detect_cpu(cache_dir: Path | None, measure: bool = True, pinned: Any = None)
     )
     if path is not None and m.spread <= MAX_SPREAD:  # a measurement under load is not kept
         _write_json_atomic(path, {**dataclasses.asdict(hw), "measured_at": time.time()})
-    _MEASURED[str(path)] = hw
     return hw
 
 
