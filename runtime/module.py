@@ -395,13 +395,8 @@ class OptimizedModule(nn.Module):
             self._revalidate()
         entry = self._plans.get(sig)  # the fast path takes no lock
         if entry is None:
-            self._check_types(inputs)
-            with _GLOBAL_COMPILE_LOCK, self._compile_lock:
-                entry = self._plans.get(sig)  # another thread may have built it meanwhile
-                out = _NOT_RUN
-                if entry is None:
-                    entry, out = self._compile(inputs, sig)
-            if out is not _NOT_RUN:  # the compile ran the original model on these inputs
+            entry, out = self._build(inputs, sig)
+            if out is not _NOT_RUN:  # building it ran the original model on these inputs
                 return out
             if entry is None:
                 return self._original(*inputs)
@@ -413,6 +408,15 @@ class OptimizedModule(nn.Module):
                 return entry.plan.run(inputs)
             except Exception as e:  # noqa: BLE001 - a plan bug must not reach the user
                 return self._run_failed(inputs, sig, e)
+
+    def _build(self, inputs: Sequence[torch.Tensor], sig: tuple) -> tuple[Compiled | None, Any]:
+        """Double-checked: another thread may have built the signature while this one waited."""
+        self._check_types(inputs)
+        with _GLOBAL_COMPILE_LOCK, self._compile_lock:
+            entry = self._plans.get(sig)
+            if entry is not None:
+                return entry, _NOT_RUN
+            return self._compile(inputs, sig)
 
     def _run_failed(self, inputs: Sequence[torch.Tensor], sig: tuple, failure: Exception) -> Any:
         """A plan raised while running (validated inputs, so a middleware bug): this signature
