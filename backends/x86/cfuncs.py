@@ -13,6 +13,8 @@ C_FUNCS: dict[str, str] = {
     "sub": "({0} - {1})",
     "mul": "({0} * {1})",
     "div": "({0} / {1})",
+    # NaN-propagating (PyTorch's semantics for relu, clamp/hardtanh, max-pooling,
+    # torch.maximum): defined in the templates, see group.c.j2
     "max": "mw_max({0}, {1})",
     "min": "mw_min({0}, {1})",
     "neg": "(-{0})",
@@ -26,11 +28,10 @@ C_FUNCS: dict[str, str] = {
 
 
 # ISPC spells a few functions differently (its stdlib has no tanh/erf: tanh through exp,
-# erf unsupported, see UNSUPPORTED_ISPC).
+# erf unsupported, see UNSUPPORTED_ISPC); max/min are the NaN-propagating mw_max/mw_min of
+# group.ispc.j2, not ISPC's builtins (which drop a NaN).
 ISPC_FUNCS: dict[str, str] = {
     **C_FUNCS,
-    "max": "max({0}, {1})",
-    "min": "min({0}, {1})",
     "exp": "exp({0})",
     "tanh": "mw_tanh({0})",
 }
