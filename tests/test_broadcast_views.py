@@ -2,8 +2,8 @@
 
 Regressions first (issue 11): an operand with fewer dims than the output was loaded in the
 wrong logical dims (``(5, 1) + (5,)`` gave ``x[i] + y[0]``), and a ``transpose`` of a
-square tensor was dropped as a no-op because its output type equals its input type. Then
-derandomized property tests over every elementwise binary op, rank 0-5, every broadcast
+square tensor was dropped as a no-op because its output type equals its input type, and a
+split into one piece returned ``((t,),)``. Then derandomized property tests over every elementwise binary op, rank 0-5, every broadcast
 pattern, both layouts, and over the view ops with square and non-square shapes.
 """
 
