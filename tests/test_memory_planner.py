@@ -526,3 +526,22 @@ def test_check_memory_option_and_environment(monkeypatch: pytest.MonkeyPatch) ->
     assert Options().check_memory is True
     monkeypatch.setenv("MIDDLEWARE_CHECK_MEMORY", "0")
     assert Options().check_memory is False
+
+
+class _ExpandRelu(torch.nn.Module):
+    """``expand`` (a fallback: not in the catalogue) makes a view whose elements share one
+    memory location; the ReLU after it must not be written over it in place."""
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return torch.relu(x.expand(2, 3, 3, 3, 3))
+
+
+def test_no_in_place_write_over_a_fallbacks_broadcast_view() -> None:
+    m = _ExpandRelu().eval()
+    x = torch.randn(1, 1, 1, 1)
+    # strict: a plan that fails at run time raises instead of running as the original
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(om(x), m(x), **TOL)
+    placements = om.plan.memory.placements
+    assert placements["relu"].kind != "inplace", placements["relu"]
