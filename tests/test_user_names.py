@@ -6,6 +6,8 @@ its own namespace in the C and ISPC sources (``v_``/``p_``/``o<dim>_`` prefixes)
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import warnings
 
 import numpy as np
@@ -120,3 +122,21 @@ def test_sources_prefix_every_user_name(backend: type) -> None:
     code = re.sub(r"/\*.*?\*/", "", text, flags=re.S)  # comments may name the layers
     for name in user - {"acc"}:
         assert not re.search(rf"(?<![\w.]){re.escape(name)}\s*\[", code), name
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
+def test_ispc_glue_with_clashing_names_compiles(tmp_path) -> None:
+    """The ISPC kernel's C glue (declarations and the per-tile call with the namespaced
+    scratch names) is valid C, checked with gcc without an ispc binary."""
+    g = _clashing_graph()
+    be = IspcBackend()
+    _, glue = be.render(be.schedule(g, [n.name for n in g.nodes()], hardware()))
+    src = tmp_path / "glue.c"
+    src.write_text(glue)
+    proc = subprocess.run(
+        ["gcc", "-fsyntax-only", "-fopenmp", "-Wall", "-Werror", str(src)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
