@@ -24,15 +24,18 @@ import torch
 import torch.nn.functional as F
 from cuda_cases import CASES, FAKE_GPU, inputs_for, kernel_args
 from fusion_helpers import bn, build_chain, hardware, maxpool
+from hypothesis import given, settings
 from middleware.backends.cuda.build import build, emulation_request
 from middleware.backends.cuda.emulate import EmulatedLauncher
 from middleware.backends.cuda.group import group_from_nodes
 from middleware.backends.cuda.kernel import GeneratedKernel
 from middleware.backends.cuda.render import render_group
-from middleware.backends.x86 import IspcBackend
+from middleware.backends.x86 import IspcBackend, X86Backend
+from test_fusion_hypothesis import chains
 from torch import nn
 
 import middleware
+from middleware.options import Options
 
 NAN, INF = math.nan, math.inf
 SPECIALS = (NAN, INF, -INF)
@@ -168,6 +171,28 @@ def test_max_pool_keeps_a_nan_wherever_it_sits_in_the_window(layout: str) -> Non
     model[0] = nn.BatchNorm2d(4).eval()
     check_generated(model, layout, x)
     check_generated(nn.MaxPool2d(2, 2), layout, x)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(chain=chains())
+def test_random_io_chains_with_specials(chain, tmp_path_factory) -> None:  # noqa: ANN001
+    """The random io chains of test_fusion_hypothesis (every pointwise op and pooling the
+    generator fuses, both layouts) as one generated kernel, on inputs with NaN and +-inf,
+    against the reference interpreter."""
+    shape, layout, steps = chain
+    g = build_chain(shape, layout, steps, seed=len(steps))
+    kernel = X86Backend().build(
+        g,
+        [n.name for n in g.nodes()],
+        Options(cache_dir=tmp_path_factory.getbasetemp() / "nan-chains"),
+        hardware(),
+    )
+    x = with_specials(tuple(shape), seed=sum(shape))
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+    env = {g.inputs[0]: x, **{p: torch.from_numpy(a) for p, a in g.params.items()}}
+    got = kernel.fn(*[env[v] for v in kernel.inputs])
+    assert_same(got, g.evaluate(x), " -> ".join(step[0] for step in steps))
 
 
 # ------------------------------------------------------------------------ ISPC
