@@ -24,10 +24,14 @@ from .runtime.report import Report, ReportRow, group_rows, node_cost
 def compile_model(model: nn.Module, inputs: Sequence[torch.Tensor], options: Options) -> Compiled:
     """Trace ``model`` on ``inputs``, run the passes and build the plan for this signature."""
     graph = trace(model, inputs)
-    return compile_graph(graph, options)
+    return compile_graph(graph, options, inputs)
 
 
-def compile_graph(graph: Graph, options: Options) -> Compiled:
+def compile_graph(
+    graph: Graph, options: Options, inputs: Sequence[torch.Tensor] | None = None
+) -> Compiled:
+    """Passes, units and plan of ``graph``; on CUDA with ``inputs`` given, the plan is
+    captured as a CUDA graph here, so that the report says whether it could be."""
     device = torch.device(options.device)
     hardware = detect(options.device, options.cache_dir, options.measure_hardware)
     graph = run_passes(graph, options, hardware)
@@ -44,6 +48,13 @@ def compile_graph(graph: Graph, options: Options) -> Compiled:
         )
     else:
         plan = _plan(graph, options, hardware, device)
+    if device.type == "cuda" and options.cuda_graphs:
+        from .backends.cuda.graphs import CudaGraphPlan
+
+        plan = CudaGraphPlan(plan)
+        if inputs is not None and all(x.device.type == "cuda" for x in inputs):
+            with torch.no_grad():
+                plan.capture(inputs)
     return Compiled(graph, plan, make_report(graph, plan))
 
 
