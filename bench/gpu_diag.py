@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_zoo import NETWORKS, make  # noqa: E402
@@ -45,16 +46,66 @@ def kernel_table(fn, calls: int = 5, rows: int = 14) -> str:
     return "\n".join(lines)
 
 
+class Affine(nn.Module):
+    """Per-channel scale and shift as broadcast mul/add (a batch-norm already folded)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.rand(1, c, 1, 1) + 0.5)
+        self.t = nn.Parameter(torch.randn(1, c, 1, 1))
+
+    def forward(self, x):
+        return x * self.s + self.t
+
+
+def chain_variants(shape: tuple[int, ...], cache: Path) -> None:
+    """Kernel-only time of the chain's generated kernel and of variants without parts of
+    it, in both layouts, to place the time inside the kernel."""
+    from gpu_chain import Chain, _kernel_modes, copy_bandwidth, time_modes
+
+    n, c, h, w = shape
+    variants = {
+        "bn_relu_pool": Chain(c),
+        "affine_relu_pool": nn.Sequential(Affine(c), nn.ReLU(), nn.MaxPool2d(3, 2, 1)),
+        "relu_pool": nn.Sequential(nn.ReLU(), nn.MaxPool2d(3, 2, 1)),
+        "pool": nn.MaxPool2d(3, 2, 1),
+        "bn_relu": nn.Sequential(nn.BatchNorm2d(c), nn.ReLU()),
+    }
+    x = torch.randn(n, c, h, w, device="cuda")
+    gbs = copy_bandwidth()
+    print(f"=== chain variants {shape}: copy {gbs:.0f} GB/s")
+    with torch.no_grad():
+        for name, m in variants.items():
+            m = m.eval().cuda()
+            for mod in m.modules():
+                if isinstance(mod, nn.BatchNorm2d):
+                    mod.running_var.uniform_(0.5, 2.0)
+            fns = _kernel_modes(m, x, cache)
+            ms = time_modes(fns, 30, 5)
+            moved = (x.numel() + m(x).numel()) * 4
+            print(
+                f"  {name:18s} "
+                + "  ".join(
+                    f"{k}: {v * 1e3:6.1f} us {moved / (v * 1e-3) / 1e9 / gbs * 100:5.1f}%"
+                    for k, v in ms.items()
+                ),
+                flush=True,
+            )
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--nets", default="vgg16,mobilenet_v3_small")
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--chain", default="16,64,112,112", help="chain variants shape ('' skips)")
     args = p.parse_args()
     import middleware
 
     torch.backends.cudnn.benchmark = True
     cache = Path(tempfile.mkdtemp(prefix="mw-diag-"))
-    for net in args.nets.split(","):
+    if args.chain:
+        chain_variants(tuple(int(v) for v in args.chain.split(",")), cache)
+    for net in [n for n in args.nets.split(",") if n]:
         torch.manual_seed(0)
         model = make(net).eval().cuda()
         res = NETWORKS[net]

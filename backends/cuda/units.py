@@ -66,6 +66,17 @@ def reduction_extent(graph: Graph, n: Node) -> int:
     return 1
 
 
+# A reduction over more than this many elements per output reads its input from memory
+# instead of pulling the producers through: mobilenet_v3_small's 7x7 SE pools recomputed
+# a 5x5 depthwise convolution 49 times per thread (64 us for one such group on an H200),
+# while the convolution's output is written to memory for the SE multiply anyway.
+MAX_PULLED_REDUCTION = 8
+
+
+def _starts_group(graph: Graph, n: Node | None) -> bool:
+    return n is not None and reduction_extent(graph, n) > MAX_PULLED_REDUCTION
+
+
 def io_groups(graph: Graph) -> list[list[str]]:
     """The node names of each I/O-bound group to fuse, in execution order.
 
@@ -77,7 +88,10 @@ def io_groups(graph: Graph) -> list[list[str]]:
     groups: list[list[str]] = []
     run: list[Node] = []
     for n in [*graph.nodes(), None]:
-        if n is not None and _is_io(n, graph) and (not run or run[-1].group == n.group):
+        joins = n is not None and (
+            not run or (run[-1].group == n.group and not _starts_group(graph, n))
+        )
+        if joins and _is_io(n, graph):
             run.append(n)
             continue
         if run:
