@@ -144,15 +144,15 @@ def test_mobilenet_v3_small_planned_for_cuda_matches_pytorch(tmp_path):
 def _broken_renderer(monkeypatch):
     import dataclasses
 
-    from middleware.backends.cuda import render
+    from middleware.backends.cuda import tiled
 
-    real = render.render_group
+    real = tiled.render_kernel
 
-    def broken(group, hardware, emulate=True):
-        r = real(group, hardware, emulate)
+    def broken(group, hardware, emulate=True, tiled=True):
+        r = real(group, hardware, emulate, tiled)
         return dataclasses.replace(r, source=r.source + "\n#error planted failure\n")
 
-    monkeypatch.setattr(render, "render_group", broken)
+    monkeypatch.setattr(tiled, "render_kernel", broken)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
@@ -228,3 +228,43 @@ def test_cuda_graph_capture_failure_runs_the_plan_step_by_step(monkeypatch):
         assert not wrapped.capture([x])
     torch.testing.assert_close(wrapped.run([x])[0], x * 2)
     assert wrapped.notes[0] == "planned" and "not permitted" in wrapped.notes[-1]
+
+
+def test_fastest_variant_is_measured_on_the_group_shapes(monkeypatch):
+    """The faster of two kernel variants is kept, timed on inputs of the group's shapes
+    (CUDA events stood in for by the host clock here)."""
+    import time
+
+    from middleware.backends.cuda.group import group_from_nodes
+    from middleware.backends.cuda.units import fastest
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = 0.0
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    class Kernel:
+        def __init__(self, seconds):
+            self.seconds, self.shapes = seconds, []
+
+        def out(self, *tensors):
+            self.shapes.append(tuple(tuple(t.shape) for t in tensors))
+            time.sleep(self.seconds)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    graph = middleware.trace(SmallNet().eval(), torch.randn(1, 3, 8, 8))
+    names = io_groups(graph)[0]
+    group = group_from_nodes(graph, names)
+    slow, quick = Kernel(0.004), Kernel(0.0005)
+    best, line = fastest({"slow": slow, "quick": quick}, graph, group, torch.device("cpu"))
+    assert best == "quick" and line.startswith("quick (measured: quick")
+    expected = tuple(tuple(group.types[v].shape) for v in (*group.inputs, *group.outputs))
+    assert set(quick.shapes) == {expected}

@@ -138,6 +138,7 @@ def cuda_units(
     from .kernel import GeneratedKernel
     from .loader import LoadedKernel, get_loader
     from .render import render_group
+    from .tiled import render_kernel, tile_plan
 
     try:  # cuDNN/cuBLAS calls with prepacked weights, where the vendor module offers them
         from ..x86.vendor import vendor_kernel
@@ -166,13 +167,14 @@ def cuda_units(
                 in_group[name] = gid
 
     rendered, requests = {}, []
+    flat: dict[int, tuple] = {}  # tiled groups on a GPU: the one-thread-per-output variant too
     for gid, group in enumerate(groups):
         reason = why_unsupported(group)
         if reason:
             reasons[gid] = reason
             continue
         try:
-            r = render_group(group, hardware, emulate=emulate)
+            r = render_kernel(group, hardware, emulate=emulate)
             if emulate:
                 req = emulation_request(r.name, r.source, meta={"group": group.name})
             else:
@@ -190,6 +192,13 @@ def cuda_units(
             continue
         rendered[gid] = r
         requests.append((gid, req))
+        if not emulate and tile_plan(group, hardware) is not None:
+            f = render_group(group, hardware, emulate=False)
+            arch = hardware.arch or "sm_80"
+            flat[gid] = (
+                f,
+                cubin_request(f.name + "_flat", f.source, arch, (options.codegen_key(),)),
+            )
 
     epilogues = _epilogues(graph, in_group) if options.fuse else {}
     ep_names = sorted({ep.name() for ep in epilogues.values()})
@@ -206,8 +215,18 @@ def cuda_units(
         )
         for nm in ep_names
     ]
-    results = build_many([req for _, req in requests] + ep_requests, options.cache_dir)
-    results, ep_results = results[: len(requests)], results[len(requests) :]
+    flat_ids = sorted(flat)
+    results = build_many(
+        [req for _, req in requests] + ep_requests + [flat[g][1] for g in flat_ids],
+        options.cache_dir,
+    )
+    k0, k1 = len(requests), len(requests) + len(ep_requests)
+    results, ep_results, flat_results = results[:k0], results[k0:k1], results[k1:]
+    flat_bins = {
+        g: res
+        for g, res in zip(flat_ids, flat_results, strict=True)
+        if not isinstance(res, Exception)
+    }
     loader = get_loader() if (requests or ep_requests) and not emulate else None
     ep_launchers: dict[str, object] = {}
     for nm, result in zip(ep_names, ep_results, strict=True):
@@ -237,6 +256,14 @@ def cuda_units(
         else:
             launcher = LoadedKernel(result.read_bytes(), r.name, index, loader)
         kernels[gid] = GeneratedKernel(r, launcher)
+        if gid in flat_bins:  # measured, not guessed: keep the faster of the two
+            f = flat[gid][0]
+            alt = GeneratedKernel(
+                f, LoadedKernel(flat_bins[gid].read_bytes(), f.name, index, loader)
+            )
+            choice = {"shared-memory tiles": kernels[gid], "one thread per output": alt}
+            best, reasons[gid] = fastest(choice, graph, groups[gid], device)
+            kernels[gid] = choice[best]
 
     units: list[Unit] = []
     emitted: set[int] = set()
@@ -255,7 +282,7 @@ def cuda_units(
                     g.inputs,
                     g.outputs,
                     tuple(m.name for m in g.nodes),
-                    "",
+                    reasons.get(gid, ""),
                     out_fn=k.out,
                 )
             )
@@ -273,6 +300,52 @@ def cuda_units(
             reason = f"not fused: {reasons.get(gid, '')}"
         units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
     return order_units(units)
+
+
+def fastest(
+    kernels: dict[str, object], graph: Graph, group: KernelGroup, device: torch.device
+) -> tuple[str, str]:
+    """The name of the fastest of ``kernels`` (variants of ``group``'s kernel) on sample
+    inputs of the group's shapes (the graph's own constants), timed with CUDA events over
+    interleaved rounds; and a line that says what was measured."""
+    args = []
+    for v in group.inputs:
+        t = group.types[v]
+        if v in graph.params:
+            args.append(to_tensor(graph.params[v], device, t.layout))
+        else:
+            x = torch.randn(t.shape, device=device)
+            args.append(x.contiguous(memory_format=torch.channels_last) if _cl(t) else x)
+    outs = [
+        torch.empty(
+            t.shape,
+            device=device,
+            memory_format=torch.channels_last if _cl(t) else torch.contiguous_format,
+        )
+        for t in (group.types[v] for v in group.outputs)
+    ]
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for k in kernels.values():
+        k.out(*args, *outs)  # warm-up
+    for _ in range(5):
+        for name, k in kernels.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                k.out(*args, *outs)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / 3 * 1e3)
+    med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    best = min(med, key=med.__getitem__)
+    line = "; ".join(
+        f"{name} {us:.1f} us" for name, us in sorted(med.items(), key=lambda kv: kv[1])
+    )
+    return best, f"{best} (measured: {line})"
+
+
+def _cl(t) -> bool:  # noqa: ANN001 - a TensorType
+    return t.rank == 4 and t.layout == "nhwc"
 
 
 def _epilogues(graph: Graph, in_group: dict[str, int]) -> dict[str, Epilogue]:
