@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .errors import DeviceError, TrainingModeError
+from .errors import DeviceError, OptionsError, TrainingModeError
 from .graph import Graph
 from .options import Options, default_cache_dir
 
@@ -73,6 +73,7 @@ def optimize(
     opts = dict(options)
     if "disable_passes" in opts:
         opts["disable_passes"] = tuple(opts["disable_passes"])  # type: ignore[arg-type]
+    _check_option_values(opts)
     if opts.get("debug_dir") is not None:
         opts["debug_dir"] = Path(opts["debug_dir"])  # type: ignore[arg-type]
     resolved = resolve_device(device)
@@ -84,6 +85,32 @@ def optimize(
         device=resolved, cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(), **opts
     )  # type: ignore[arg-type]
     return OptimizedModule(model, o, compile_model, example_inputs)
+
+
+LAYOUTS = ("auto", "nchw", "nhwc")
+
+
+def _check_option_values(opts: dict[str, object]) -> None:
+    """Settings are checked here, before anything compiles: inside the compiler a bad value
+    would look like a compiler failure and only make the model fall back."""
+    from .passes import pass_names
+
+    known = pass_names()
+    unknown = [p for p in opts.get("disable_passes", ()) if p not in known]  # type: ignore[union-attr]
+    if unknown:
+        raise OptionsError(
+            f"unknown pass(es) {unknown} in disable_passes; passes are: {', '.join(known)}"
+        )
+    layout = opts.get("layout", "auto")
+    if layout not in LAYOUTS:
+        raise OptionsError(f"layout={layout!r} is not one of {', '.join(map(repr, LAYOUTS))}")
+    chunk = opts.get("batch_chunk", "auto")
+    if chunk != "auto" and not (
+        isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0
+    ):
+        raise OptionsError(
+            f"batch_chunk={chunk!r}: use 'auto', 0 (off) or a positive number of samples per slice"
+        )
 
 
 def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor) -> Graph:

@@ -23,12 +23,24 @@ class TrainingModeError(MiddlewareError, ValueError):
     """The model is in training mode; only inference is supported."""
 
 
+class OptionsError(MiddlewareError, ValueError):
+    """An ``optimize()`` setting has a value the middleware does not know."""
+
+
 class InputMismatchError(MiddlewareError, ValueError):
     """A call's inputs do not match the compiled signature (count, rank, channels)."""
 
 
 class InputTypeError(MiddlewareError, TypeError):
     """A call's inputs have the wrong type, dtype or device for the compiled signature."""
+
+
+class InternalError(MiddlewareError, RuntimeError):
+    """The compiler failed on a model and input it should handle: a middleware bug.
+
+    Raised only with ``strict=True``; otherwise the input signature concerned runs as the
+    original model and ``report()`` carries the failure.
+    """
 
 
 class CompileError(MiddlewareError):

@@ -184,30 +184,48 @@ class OpLoops:
     slices: tuple[tuple[str, int, int], ...] = ()
 
 
-def logical4(t: TensorType, rank: int | None = None) -> tuple[int, int, int, int]:
-    """A value's shape in the logical ``(n, c, h, w)`` space of a rank-``rank`` result:
-    left-padded with 1s to ``rank`` (broadcasting), then right-padded to 4 dims."""
-    shape = tuple(t.shape)
-    rank = len(shape) if rank is None else rank
-    if len(shape) > 4 or rank > 4 or rank < 1:
-        raise NotFusable(f"rank {len(shape)} value in a rank {rank} context")
-    shape = (1,) * (rank - len(shape)) + shape
-    if rank in (3,):
-        shape = (1,) + shape  # (C,H,W) -> (1,C,H,W)
-    else:
-        shape = shape + (1,) * (4 - rank)
-    return shape  # type: ignore[return-value]
+def logical_dims(rank: int) -> tuple[int, ...]:
+    """Where each dim of a rank-``rank`` value sits in the logical ``(n, c, h, w)`` space:
+    (C,) and (N, C) fill from the left, (C, H, W) from the right (a 4-d map without its
+    batch dim), a 0-d value occupies no dim."""
+    if rank == 3:
+        return (1, 2, 3)
+    if not 0 <= rank <= 4:
+        raise NotFusable(f"rank {rank} value (at most 4 dims are generated)")
+    return tuple(range(rank))
 
 
-def broadcast_load(value: str, shape4: Sequence[int], out4: Sequence[int]) -> Load:
-    idx = []
-    for d, (s, o) in enumerate(zip(shape4, out4, strict=True)):
-        if s == o:
-            idx.append(DIMS[d])
-        elif s == 1:
-            idx.append("0")
-        else:
-            raise NotFusable(f"cannot broadcast {tuple(shape4)} to {tuple(out4)}")
+def logical4(t: TensorType) -> tuple[int, int, int, int]:
+    """A value's own shape in the logical ``(n, c, h, w)`` space (1 in the dims it lacks).
+
+    This is the only space a value is stored and loaded in: a :class:`Load` of value ``v``
+    indexes ``logical4(v)``, whatever the rank of the node reading it (see
+    :func:`broadcast_load`)."""
+    shape = [1, 1, 1, 1]
+    for size, d in zip(t.shape, logical_dims(t.rank), strict=True):
+        shape[d] = size
+    return tuple(shape)  # type: ignore[return-value]
+
+
+def broadcast_load(value: str, t: TensorType, out: TensorType) -> Load:
+    """The load of ``value`` (type ``t``) at an output point of a node whose output has type
+    ``out``, with the framework's broadcasting: dims align from the right, a size-1 dim of
+    ``t`` is read at 0.
+
+    The index is in ``t``'s own logical space (where its buffer lives) and written in the
+    output's logical coordinates: a rank-1 operand of a rank-2 output sits in logical dim
+    ``n`` of its own space but broadcasts along the output's logical dim ``c``, so its
+    index is ``(c, 0, 0, 0)``, not ``(0, c, 0, 0)``."""
+    if t.rank > out.rank:
+        raise NotFusable(f"cannot broadcast rank {t.rank} to rank {out.rank}")
+    out_dims = logical_dims(out.rank)
+    idx = ["0"] * 4
+    for j, (size, d) in enumerate(zip(t.shape, logical_dims(t.rank), strict=True)):
+        i = j + out.rank - t.rank  # the output dim this operand dim aligns with
+        if size == out.shape[i]:
+            idx[d] = DIMS[out_dims[i]]
+        elif size != 1:
+            raise NotFusable(f"cannot broadcast {tuple(t.shape)} to {tuple(out.shape)}")
     return Load(value, tuple(idx))  # type: ignore[arg-type]
 
 
@@ -304,7 +322,7 @@ def _batch_norm(graph: Graph, node: Node) -> OpLoops:
             "add",
             call(
                 "mul",
-                broadcast_load(x, logical4(graph.values[x]), _out4(graph, node)),
+                broadcast_load(x, graph.values[x], graph.values[node.outputs[0]]),
                 ParamVec(f"{tag}_scale", tuple(np.float32(scale).tolist()), "c"),
             ),
             ParamVec(f"{tag}_shift", tuple(np.float32(shift).tolist()), "c"),
@@ -314,17 +332,13 @@ def _batch_norm(graph: Graph, node: Node) -> OpLoops:
 
 def _activation(graph: Graph, node: Node) -> OpLoops:
     (x,) = node.inputs
-    load = broadcast_load(x, logical4(graph.values[x]), _out4(graph, node))
+    load = broadcast_load(x, graph.values[x], graph.values[node.outputs[0]])
     return OpLoops("pointwise", activation_expr(node.op, dict(node.attrs), load))
 
 
 def _binary(graph: Graph, node: Node) -> OpLoops:
     out_t = graph.values[node.outputs[0]]
-    out4 = logical4(out_t)
-    rank = out_t.rank
-    operands: list[Expr] = [
-        broadcast_load(v, logical4(graph.values[v], rank), out4) for v in node.inputs
-    ]
+    operands: list[Expr] = [broadcast_load(v, graph.values[v], out_t) for v in node.inputs]
     scalar = node.attrs.get("scalar")
     if scalar is not None:
         if not isinstance(scalar, (int, float)):

@@ -534,8 +534,10 @@ register(OpDef("dropout", Bound.IO, _identity, view_like=True, flops_per_elem=0.
 def _to_layout(node: Node) -> Kernel:
     """The value unchanged, stored in memory order ``layout`` ("nchw": contiguous, "nhwc":
     channels_last; ranks other than 4 are made contiguous). Returns the input itself when it
-    is already stored so. Inserted by the layout pass at the graph's inputs and outputs and
-    around ops that need one memory order."""
+    is already stored so, and an ``as_strided`` alias of it where both orders are one
+    (C == 1 or H*W == 1): the buffer planner keeps such a result in its input's storage
+    class (``runtime.memory._shares_storage`` mirrors this rule). Inserted by the layout
+    pass at the graph's inputs and outputs and around ops that need one memory order."""
     nhwc = _a(node, "layout") == "nhwc"
 
     def to_layout(x):

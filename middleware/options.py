@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
+from typing import Any
+
+from .hardware import Hardware, pin_fields
 
 
 def default_cache_dir() -> Path:
@@ -17,6 +21,34 @@ def default_cache_dir() -> Path:
     if xdg:
         return Path(xdg) / "middleware"
     return Path.home() / ".cache" / "middleware"
+
+
+def hardware_from_env() -> tuple[tuple[str, Any], ...] | None:
+    """``$MIDDLEWARE_HARDWARE``: a JSON object of ``Hardware`` fields that pins the figures
+    (e.g. ``{"peak_gflops": 500, "bandwidth_gbs": 40}``), as Options keeps it; None unset."""
+    text = os.environ.get("MIDDLEWARE_HARDWARE", "").strip()
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"$MIDDLEWARE_HARDWARE is not JSON ({e}): {text!r}") from None
+    return _hardware_pin(data)
+
+
+def _hardware_pin(value: Any) -> Hardware | tuple[tuple[str, Any], ...] | None:
+    """A pin, checked (unknown fields, implausible figures raise ValueError) and hashable:
+    a ``Hardware`` as it is, a mapping as sorted (field, value) pairs."""
+    if value is None:
+        return None
+    fields = pin_fields(value)
+    return value if isinstance(value, Hardware) else tuple(sorted(fields.items()))
+
+
+def check_memory_default() -> bool:
+    """``$MIDDLEWARE_CHECK_MEMORY`` set to anything but "" or "0" turns on the buffer plan's
+    run-time check (``Options.check_memory``)."""
+    return os.environ.get("MIDDLEWARE_CHECK_MEMORY", "") not in ("", "0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +84,17 @@ class Options:
     # On CUDA, a plan replays as one CUDA graph (captured on its first call): no launch
     # overhead per step. False runs the plan's steps one by one.
     cuda_graphs: bool = True
+    # Debug: after every planned step, verify that no output lands in arena bytes its value
+    # was not planned in (a framework allocation aliasing a live arena value); raises
+    # runtime.memory.MemoryCheckError. Default: $MIDDLEWARE_CHECK_MEMORY.
+    check_memory: bool = dataclasses.field(default_factory=check_memory_default)
+    # Pin the hardware figures instead of measuring (middleware/hardware.py): a Hardware, or
+    # a dict of its fields (kept as sorted (field, value) pairs). Default: $MIDDLEWARE_HARDWARE.
+    hardware: Any = dataclasses.field(default_factory=hardware_from_env)
+
+    def __post_init__(self) -> None:
+        # frozen: the checked, hashable form of the pin replaces what was passed
+        object.__setattr__(self, "hardware", _hardware_pin(self.hardware))
 
     def codegen_key(self) -> str:
         """The settings that change generated code, as a stable string for cache keys."""

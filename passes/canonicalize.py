@@ -12,8 +12,9 @@ from .patterns import Rewrite
 # Always the identity in inference.
 NO_OPS = ("identity", "dropout")
 # Ops that return (a view of) their input with the same data when the output type equals the
-# input type.
-SAME_TYPE_NO_OPS = ("reshape", "flatten", "permute")
+# input type. Not ``permute``: a transpose of a square tensor keeps the type and moves the
+# data (see ``is_order_preserving_permute``).
+SAME_TYPE_NO_OPS = ("reshape", "flatten")
 # A folded constant may not grow the parameters by more than this (bytes) beyond the size of
 # the constants it reads: folding must not materialise a large broadcast.
 FOLD_GROWTH_LIMIT = 1 << 20
@@ -24,12 +25,13 @@ def canonicalize(graph: Graph) -> Graph:
 
     Expects: any graph from the frontend or an earlier pass.
     Guarantees: the same outputs for every input (reference interpreter); no ``identity``
-    or ``dropout`` node; no ``reshape``/``flatten``/``permute`` whose output type equals its
-    input type; no single-input ``cat``; no ``contiguous`` on data that is already contiguous
-    (kept after ``permute``/``split`` and on channels_last values); no node other than a
-    fallback whose inputs are all parameters (it became a parameter, unless that would add
-    more than ``FOLD_GROWTH_LIMIT`` bytes); every node's outputs are read by a node or are
-    graph outputs. Fallback nodes are treated as pure (inference) and dropped when unread.
+    or ``dropout`` node; no ``reshape``/``flatten`` whose output type equals its input type;
+    no ``permute`` that keeps the order of the elements (it moves size-1 dims only); no
+    single-input ``cat``; no ``contiguous`` on data that is already contiguous (kept after
+    ``permute``/``split`` and on channels_last values); no node other than a fallback whose
+    inputs are all parameters (it became a parameter, unless that would add more than
+    ``FOLD_GROWTH_LIMIT`` bytes); every node's outputs are read by a node or are graph
+    outputs. Fallback nodes are treated as pure (inference) and dropped when unread.
     """
     rw = Rewrite(graph)
     folded: dict[str, torch.Tensor] = {}  # value -> constant, for chains of constant nodes
@@ -57,11 +59,21 @@ def _is_no_op(graph: Graph, n: Node) -> bool:
         return True
     if n.op in SAME_TYPE_NO_OPS:
         return src == dst
+    if n.op == "permute":
+        return src == dst and is_order_preserving_permute(src.shape, n.attrs["dims"])
     if n.op == "cat":
         return src == dst
     if n.op == "contiguous":
         return src == dst and is_contiguous(graph, n.inputs[0])
     return False
+
+
+def is_order_preserving_permute(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
+    """Whether permuting ``shape`` by ``dims`` leaves every element at its row-major position:
+    the dims of size > 1 keep their relative order (only size-1 dims move). An equal output
+    type is not enough: ``transpose(0, 1)`` of a square matrix keeps the type."""
+    moved = [d for d in dims if shape[d] != 1]
+    return moved == sorted(moved)
 
 
 def is_contiguous(graph: Graph, value: str) -> bool:

@@ -2,9 +2,15 @@
 
 A node's arithmetic intensity is its FLOPs (``OpDef.flops``) over the bytes it moves: its
 inputs, its outputs and its weights (parameter inputs), from the value types. Against the
-device's balance (``Hardware.balance`` = peak FLOP/s / memory bandwidth, FLOP per byte):
+device's balance (``Hardware.balance`` = peak FLOP/s / memory bandwidth, FLOP per byte),
+with a margin of :data:`MARGIN` either side of it:
 
-- intensity >= balance: **compute** (arithmetic limits it);
+- intensity >= balance * MARGIN: **compute** (arithmetic limits it);
+- within the margin (balance / MARGIN <= intensity < balance * MARGIN), the measured balance
+  cannot tell (it moves by more than that between runs and machines, and 1x1 convolutions
+  sit right at it), so the op kind decides, the same way every time: a dense op
+  (:func:`is_dense`: convolution with groups == 1, linear, matmul) is **compute**, as the
+  vendor library's GEMM is never worse near the ridge; any other op takes the rule below;
 - below, and weight bytes are more than half of its traffic: **param** (weight traffic
   limits it: fully connected layers and 1x1-spatial convolutions at small batch);
 - otherwise: **io** (activation traffic limits it: depthwise convolution, pooling, ...).
@@ -34,6 +40,20 @@ from ..graph import Graph, Node
 from ..hardware import Hardware
 from ..ops import Bound, get_op
 
+# How far (a factor) the balance is uncertain: measurements of one machine differ by up to
+# ~2x under load, and between runs the median still moves by 10-20%.
+MARGIN = 1.25
+# Ops that are one dense GEMM-like vendor call (conv2d also needs groups == 1).
+DENSE_OPS = frozenset({"linear", "matmul"})
+
+
+def is_dense(node: Node) -> bool:
+    """A dense convolution, linear or matmul: the kinds that go to the vendor in the band
+    around the balance."""
+    if node.op == "conv2d":
+        return int(node.attrs.get("groups", 1)) == 1
+    return node.op in DENSE_OPS
+
 
 @dataclasses.dataclass(frozen=True)
 class Roofline:
@@ -51,8 +71,12 @@ class Roofline:
     def intensity(self) -> float:
         return self.flops / self.bytes if self.bytes else 0.0
 
-    def bound(self, balance: float) -> Bound:
-        if self.intensity >= balance:
+    def bound(self, balance: float, dense: bool = False) -> Bound:
+        """The class against ``balance`` (see the module docstring; ``dense``: the op kind
+        that is compute within the margin)."""
+        if self.intensity >= balance * MARGIN:
+            return Bound.COMPUTE
+        if dense and self.intensity >= balance / MARGIN:
             return Bound.COMPUTE
         if self.weight_bytes * 2 > self.bytes:
             return Bound.PARAM
@@ -76,7 +100,7 @@ def roofline(graph: Graph, node: Node) -> Roofline:
 
 def node_bound(graph: Graph, node: Node, balance: float) -> Bound:
     """The class of ``node`` by the roofline rule alone (no neighbour rule)."""
-    return roofline(graph, node).bound(balance)
+    return roofline(graph, node).bound(balance, is_dense(node))
 
 
 def classify(graph: Graph, hardware: Hardware) -> Graph:

@@ -3,7 +3,10 @@
 For a monotone non-decreasing ``act`` and any non-empty window ``S``,
 ``act(max(S)) == max(act(S))``. Max-pooling pads with -inf, and the framework never lets a
 window consist of padding only, so the identity holds for every window, stride, padding,
-dilation and ceil_mode: ``act(maxpool(x)) == maxpool(act(x))`` exactly.
+dilation and ceil_mode: ``act(maxpool(x)) == maxpool(act(x))`` exactly. With NaN too:
+max-pooling and every merged activation propagate a NaN (PyTorch's semantics). Not for a
+leaky_relu of slope 0: it maps -inf to NaN (-inf * 0), which a max over the window's other
+elements would hide.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from .patterns import Readers, Rewrite, pairs
 
 
 def is_monotone(node: Node) -> bool:
-    """Whether ``node`` is a monotone non-decreasing activation (catalogue flag; a
-    leaky_relu only with a non-negative slope; a hardtanh only with min_val <= max_val)."""
+    """Whether ``node`` is a monotone non-decreasing activation that commutes with a max
+    (catalogue flag; a leaky_relu only with a positive slope, see the module docstring; a
+    hardtanh only with min_val <= max_val)."""
     if node.op == "leaky_relu":
-        return float(node.attrs["negative_slope"]) >= 0.0
+        return float(node.attrs["negative_slope"]) > 0.0
     if node.op == "hardtanh" and float(node.attrs["min_val"]) > float(node.attrs["max_val"]):
         return False
     return len(node.inputs) == 1 and get_op(node.op).monotone

@@ -71,6 +71,23 @@ def c_ident(name: str) -> str:
     return s
 
 
+def _unique_idents(values: Sequence[str]) -> dict[str, str]:
+    """One distinct C identifier per value: ``c_ident`` maps ``a.b`` and ``a_b`` alike, and
+    two buffers of one kernel must never share a name."""
+    ids: dict[str, str] = {}
+    taken: set[str] = set()
+    for v in values:
+        if v in ids:
+            continue
+        base = ident = c_ident(v)
+        k = 1
+        while ident in taken:
+            ident, k = f"{base}_{k}", k + 1
+        ids[v] = ident
+        taken.add(ident)
+    return ids
+
+
 def _subst_vars(text: str, mapping: dict[str, str]) -> str:
     if not mapping:
         return text
@@ -303,7 +320,7 @@ class _Builder:
             lay = next((graph.values[v].layout for v in ins if graph.values[v].rank == 4), "nchw")
         self.layout = lay
         self.inner_dim = ORDER[lay][-1]
-        self.value_ids = {v: c_ident(v) for v in ins + [d.value for d in self.drafts]}
+        self.value_ids = _unique_idents(ins + [d.value for d in self.drafts])
 
     # ---------------------------------------------------------------- regions
     def regions(self, tiling: Tiling) -> dict[str, isl.Set]:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..graph import Graph, Node, TensorType
-from ..ops import CATALOGUE
+from ..ops import CATALOGUE, get_op
 from .memory import _empty
 from .plan import Plan
 
@@ -105,18 +105,65 @@ def _batch_of(graph: Graph) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def _per_sample(graph: Graph, node: Node, batch: int) -> bool:
-    """``node`` computes each sample of its batch-``batch`` values from that sample alone."""
+# Ops whose inputs after the first are weights: the prefix slices their activation only, so
+# the weights must be graph constants (a weight computed from the batch, even one whose
+# first dim happens to equal the batch, mixes the samples).
+WEIGHTED_OPS = frozenset({"conv2d", "linear"})
+
+
+def batched_values(graph: Graph, batch: int) -> set[str]:
+    """The values whose dimension 0 is the batch: the graph inputs of that leading size,
+    and the outputs of every node that computes each sample from that sample alone
+    (:func:`_per_sample`), propagated in graph order. The batch dimension is tracked from
+    where it enters, never guessed from a size that happens to equal it."""
+    batched = _batched_inputs(graph, batch)
+    for n in graph.nodes():
+        if _per_sample(graph, n, batch, batched):
+            batched.update(n.outputs)
+    return batched
+
+
+def _weights(node: Node) -> tuple[str, ...]:
+    """The weight and bias inputs of a weighted op (a convolution's fused residual, its last
+    input, is an activation), else ()."""
+    if node.op not in WEIGHTED_OPS:
+        return ()
+    end = len(node.inputs) - int(bool(node.attrs.get("residual", False)))
+    return tuple(node.inputs[1:end])
+
+
+def _batched_inputs(graph: Graph, batch: int) -> set[str]:
+    return {
+        v for v in graph.inputs if graph.values[v].rank >= 1 and graph.values[v].shape[0] == batch
+    }
+
+
+def _per_sample(graph: Graph, node: Node, batch: int, batched: set[str] | None = None) -> bool:
+    """``node`` computes each sample of its batch-``batch`` values from that sample alone,
+    given the values ``batched`` along dimension 0 so far (default: the graph's inputs of
+    that leading size)."""
     if node.op not in PER_SAMPLE_OPS:
         return False
+    if batched is None:
+        batched = _batched_inputs(graph, batch)
     acts = [v for v in node.inputs if v not in graph.params]
-    if not acts:
+    if not acts or any(v not in batched for v in acts):
         return False
-    for v in (*acts, *node.outputs):
+    if any(v not in graph.params for v in _weights(node)):
+        return False  # a weight or bias that is not a parameter
+    rank = graph.values[node.outputs[0]].rank
+    for v in node.outputs:
         t = graph.values[v]
         if t.rank < 1 or t.shape[0] != batch:
             return False
-    rank = graph.values[node.outputs[0]].rank
+    if get_op(node.op).elementwise and any(graph.values[v].rank != rank for v in acts):
+        return False  # broadcast from the right: a lower-rank operand's dim 0 is not the batch
+    return _attrs_per_sample(graph, node, batch, rank)
+
+
+def _attrs_per_sample(graph: Graph, node: Node, batch: int, rank: int) -> bool:
+    """The attribute checks of :func:`_per_sample`: the op does not reduce, concatenate,
+    split, move or reshape dimension 0, and a parameter operand broadcasts over it."""
     a = node.attrs
     if node.op in ("add", "sub", "mul", "div"):  # a parameter operand must broadcast over N
         for p in node.inputs:
@@ -167,7 +214,9 @@ def choose_cut(
 
     ``chunk``: a number of samples per slice (the largest divisor of the batch not above
     it; chunked wherever a prefix exists), "auto", or 0 (never). The prefix ends before the
-    first node that mixes samples or whose weights outweigh both its output slice and half
+    first node that mixes samples (:func:`batched_values`: the batch dimension is tracked
+    from the inputs; convolution weights must be parameters) or whose weights outweigh both
+    its output slice and half
     of ``cache_bytes`` (they would be read once per slice from memory); a cut never splits
     a fused group. The estimated peak of a cut is the larger of (inputs + the cut values
     at full batch + a slice's largest live set) and the rest of the graph's largest live
@@ -181,6 +230,7 @@ def choose_cut(
     batch = _batch_of(graph)
     if batch is None or batch < 2 or chunk in (0, None, "0"):
         return None
+    batched = batched_values(graph, batch)
     nodes = list(graph.nodes())
     index = {n.name: i for i, n in enumerate(nodes)}
     mat = _materialised(graph)
@@ -226,7 +276,7 @@ def choose_cut(
         open_values: dict[str, int] = {}  # prefix value -> bytes, while read after the prefix
         pre_max, moved, calls = 0, 0, 0
         for k, n in enumerate(nodes):
-            if not _per_sample(graph, n, batch) or any(v in outputs for v in n.outputs):
+            if not _per_sample(graph, n, batch, batched) or any(v in outputs for v in n.outputs):
                 break
             out_slice = sum(graph.values[v].nbytes for v in n.outputs) * f
             if _param_bytes(graph, n) > max(out_slice, cache_bytes / 2):
@@ -264,10 +314,9 @@ def choose_cut(
 
 
 # ---------------------------------------------------------------------- splitting
-def _rebatch(t: TensorType, batch: int, size: int) -> TensorType:
-    if t.rank >= 1 and t.shape[0] == batch:
-        return dataclasses.replace(t, shape=(size, *t.shape[1:]))
-    return t
+def _rebatch(t: TensorType, size: int) -> TensorType:
+    """``t`` (a value batched along dimension 0) at ``size`` samples."""
+    return dataclasses.replace(t, shape=(size, *t.shape[1:]))
 
 
 def split_graph(graph: Graph, cut: Cut) -> tuple[Graph, Graph]:
@@ -277,13 +326,22 @@ def split_graph(graph: Graph, cut: Cut) -> tuple[Graph, Graph]:
     in_prefix = set(cut.nodes)
     pre_nodes = [n for n in graph.nodes() if n.name in in_prefix]
     post_nodes = [n for n in graph.nodes() if n.name not in in_prefix]
+    batched = batched_values(graph, cut.batch)
+    unbatched = sorted(
+        v
+        for n in pre_nodes
+        for v in (*n.inputs, *n.outputs)
+        if v not in graph.params and v not in batched
+    )
+    if unbatched:  # slicing them would cut a dimension that is not the batch
+        raise ValueError(f"the cut's prefix reads or makes unbatched values {unbatched}")
 
     pre = Graph()
     pre.meta = {k: v for k, v in graph.meta.items() if not k.startswith("_")}
     read = {v for n in pre_nodes for v in n.inputs}
     for v in graph.inputs:
         if v in read:
-            pre.add_input(v, _rebatch(graph.values[v], cut.batch, cut.chunk))
+            pre.add_input(v, _rebatch(graph.values[v], cut.chunk))
     for p, arr in graph.params.items():
         if p in read:
             pre.add_param(p, arr, graph.values[p].layout)
@@ -291,7 +349,7 @@ def split_graph(graph: Graph, cut: Cut) -> tuple[Graph, Graph]:
         if n.op == "reshape" and tuple(n.attrs["shape"])[0] == cut.batch:
             shape = (cut.chunk, *tuple(n.attrs["shape"])[1:])
             n = n.replace(attrs={**n.attrs, "shape": shape})
-        types = [_rebatch(graph.values[v], cut.batch, cut.chunk) for v in n.outputs]
+        types = [_rebatch(graph.values[v], cut.chunk) for v in n.outputs]
         pre.add_node(n, types)
     pre.set_outputs(tuple(cut.values))
 

@@ -3,8 +3,10 @@
 Given the units of a plan (in execution order), :func:`plan_memory` decides where each
 value lives:
 
-- ``view``: a view-like op (flatten, reshape, split, identity, ...) or a fallback shares
-  the storage of its input; the two are one *storage class* whose lifetime is the union;
+- ``view``: a view-like op (flatten, reshape, split, identity, ...), a ``to_layout`` that
+  may answer with its input (:func:`_shares_storage`) or a fallback shares the storage of
+  its input; the two are one *storage class* whose lifetime is the union (an op planned as
+  a copy is copied at run time should ATen alias after all: :func:`_fresh_result`);
 - ``inplace``: an elementwise op whose input class is dead afterwards writes into it
   (relu, batch-norm, add of a dead residual, ...);
 - ``arena``: the output of a unit that can write into a given tensor (a destination-passing
@@ -26,6 +28,9 @@ value lives:
 - ``owned``: a graph input that the caller hands over to the plan (the cut values of a
   batch-chunked plan, runtime/chunked.py): it dies at its last read like a vendor value.
 
+``Options(check_memory=True)`` (``MIDDLEWARE_CHECK_MEMORY=1``) checks after every step
+that no output lands in arena bytes other than its own class's (:class:`MemoryCheckError`).
+
 The arena is one ``torch.empty(nbytes, dtype=torch.uint8)`` on the plan's device, made
 when the plan is built; the wrapped step functions hold views of it, so it lives exactly as
 long as the plan (and is released when the ``OptimizedModule`` that caches the plan is).
@@ -42,6 +47,7 @@ import torch
 
 from ..graph import Graph, Node, TensorType
 from ..ops import get_op, torch_dtype
+from ..options import check_memory_default
 
 ALIGN = 64
 # How far (a fraction of the least possible peak) keeping classes in the arena may raise the
@@ -432,6 +438,9 @@ class _Planner:
         self.inplace_fn: dict[int, Callable[..., Any]] = {}  # unit -> its own in-place call
         self.slice_of: dict[str, tuple[str, int, int, int]] = {}  # root -> (dest, dim, start, len)
         self.cat_mode: dict[int, str] = {}  # unit -> "view" | "dest"
+        # units of view-like ops (and to_layout) planned as copies, whose result must then
+        # never alias their input at run time (see _fresh_result)
+        self.copies: set[int] = set()
 
     # -------------------------------------------------------------- class queries
     def pinned(self, root: str) -> bool:
@@ -449,7 +458,8 @@ class _Planner:
 
     # ------------------------------------------------------------------- stages
     def share_views(self) -> None:
-        """View-like ops and fallbacks share the storage of their (non-parameter) inputs.
+        """View-like ops, fallbacks and the conversions ``to_layout`` may answer with its
+        input (:func:`_shares_storage`) share the storage of their (non-parameter) inputs.
 
         A reshape of a permuted value (a channel shuffle's merge) cannot be a view: ATen
         copies it into a new tensor, which is then a class of its own."""
@@ -458,13 +468,16 @@ class _Planner:
             nd = self.single[i]
             if nd is not None and nd.op != "fallback":
                 of_permuted = bool(set(nd.inputs) & permuted)
-                if of_permuted and nd.op in ("reshape", "flatten", "contiguous"):
-                    continue  # ATen copies it: a class of its own
+                if of_permuted and nd.op in ("reshape", "flatten", "contiguous", "to_layout"):
+                    self.copies.add(i)  # ATen copies it: a class of its own
+                    continue
                 if nd.op == "permute" and not _dense_permute(self.graph, nd):
                     permuted.update(u.outputs)
                 elif of_permuted and get_op(nd.op).view_like:
                     permuted.update(u.outputs)
-            if u.runs_as == "fallback" or (nd is not None and get_op(nd.op).view_like):
+            if nd is not None and nd.op == "to_layout" and not _shares_storage(self.graph, nd):
+                self.copies.add(i)  # a real conversion: a class of its own
+            if u.runs_as == "fallback" or (nd is not None and _shares_storage(self.graph, nd)):
                 for v in u.outputs:
                     self.kind[v] = "view"
                     for x in u.inputs:
@@ -599,12 +612,19 @@ class _Planner:
 
 
 def plan_memory(
-    graph: Graph, units: Sequence[Any], device: torch.device, owned: Sequence[str] = ()
+    graph: Graph,
+    units: Sequence[Any],
+    device: torch.device,
+    owned: Sequence[str] = (),
+    check: bool | None = None,
 ) -> PlannedUnits:
     """Plan the buffers of ``units`` (``runtime.plan.Unit`` records, in execution order).
 
     Returns step functions with the units' calling convention that write into the arena,
     in place or into concat slices where the plan says so; they compute the same values.
+    ``check`` (default: ``Options.check_memory``'s default, i.e. ``MIDDLEWARE_CHECK_MEMORY``)
+    wraps every step with :func:`_checked`, which raises :class:`MemoryCheckError` when an
+    output lands in arena bytes its value was not planned in.
     """
     pl = _Planner(graph, units, device)
     pl.share_views()
@@ -700,6 +720,9 @@ def plan_memory(
         return g
 
     fns = [_step_fn(pl, i, u, where, scratch, getter, holders) for i, u in enumerate(units)]
+    for i in pl.copies:  # planned as copies: never an alias at run time
+        if fns[i] is units[i].fn:
+            fns[i] = _fresh_result(fns[i])
     for i, (fn, u) in enumerate(zip(fns, units, strict=True)):
         nd = pl.single[i]
         if fn is u.fn and nd is not None and nd.op in _INDICES_OPS:
@@ -709,7 +732,70 @@ def plan_memory(
         work = getattr(u.fn, "workspace_bytes", None)
         if work is not None:  # a Winograd convolution's transformed tiles
             memory.temps[i] = memory.temps.get(i, 0) + work(graph.values[u.outputs[0]].shape[0])
+    if check is None:
+        check = check_memory_default()
+    if check and arena is not None:
+        fns = [
+            _checked(fn, i, u, memory, arena)
+            for i, (fn, u) in enumerate(zip(fns, units, strict=True))
+        ]
     return PlannedUnits(memory, arena, fns)
+
+
+class MemoryCheckError(RuntimeError):
+    """A step's output overlaps arena bytes that the buffer plan did not give its value
+    (``Options(check_memory=True)``): a framework allocation aliasing the arena, or a value
+    written over another one that is still live."""
+
+
+def _checked(
+    fn: Callable[..., Any], i: int, u: Any, memory: MemoryPlan, arena: torch.Tensor
+) -> Callable[..., Any]:
+    """``fn`` followed by the check that each output lies outside the arena, or inside the
+    bytes of its own arena storage class (a view, an in-place write, a concat slice)."""
+    base, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    own: list[tuple[int, int] | None] = []
+    for v in u.outputs:
+        root = memory.placements[v].storage
+        off = memory.offsets.get(root)
+        own.append(None if off is None else (base + off, base + off + memory.sizes[root]))
+    multi = len(u.outputs) > 1
+
+    def live_arena(lo: int, hi: int) -> list[str]:
+        return [
+            c
+            for c, off in memory.offsets.items()
+            if memory.intervals[c][0] <= i <= memory.intervals[c][1]
+            and lo < base + off + memory.sizes[c]
+            and base + off < hi
+        ]
+
+    def checked(*ins: Any) -> Any:
+        r = fn(*ins)
+        for v, t, mine in zip(u.outputs, r if multi else (r,), own, strict=True):
+            if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device != arena.device:
+                continue
+            lo, hi = _byte_range(t)
+            if hi <= base or lo >= end or (mine is not None and mine[0] <= lo and hi <= mine[1]):
+                continue
+            kind = memory.placements[v].kind
+            raise MemoryCheckError(
+                f"step {i} ({u.name}): output {v!r} (placed {kind!r}) overlaps arena bytes "
+                f"[{lo - base}, {hi - base}) outside its own; live arena values there: "
+                f"{live_arena(lo, hi) or 'none'}"
+            )
+        return r
+
+    checked.__name__ = getattr(fn, "__name__", "step")  # the profiler names steps by it
+    checked.checks_memory = True  # type: ignore[attr-defined]
+    return checked
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` a strided tensor can touch."""
+    lo = t.data_ptr()
+    span = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
+    return lo, lo + (span + 1) * t.element_size()
 
 
 # ATen's CPU max-pools make an int64 index tensor beside their result
@@ -898,6 +984,40 @@ def _step_fn(
         return o
 
     return copy_into_dyn
+
+
+def _shares_storage(graph: Graph, nd: Node) -> bool:
+    """The node's result may be (a view of) its input's memory: a view-like op, or a
+    ``to_layout`` whose input is already stored in the target order (same layout, a rank
+    other than 4, or C == 1 or H*W == 1 where both orders are one; ``ops.to_layout`` then
+    returns the input or an ``as_strided`` alias of it). Such a result must keep its input's
+    bytes alive, so it joins the input's storage class."""
+    if get_op(nd.op).view_like:
+        return True
+    if nd.op != "to_layout":
+        return False
+    t, out = graph.values[nd.inputs[0]], graph.values[nd.outputs[0]]
+    if t.rank != 4 or t.layout == out.layout or t.numel == 0:
+        return True
+    _, c, h, w = t.shape
+    return c == 1 or h * w == 1
+
+
+def _fresh_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose result never shares its input's storage. The planner gives a class of
+    its own to a ``to_layout`` that converts and to a reshape of a permuted view, from the
+    value types; where the run-time strides allow ATen a view after all (a framework result
+    strided otherwise than its type, a permutation of size-1 dims, a permutation undone) the
+    result is copied, so that it never reads bytes the plan reuses."""
+
+    def fresh(x: torch.Tensor) -> torch.Tensor:
+        y = fn(x)
+        if y.numel() and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            y = y.clone(memory_format=torch.preserve_format)
+        return y
+
+    fresh.__name__ = getattr(fn, "__name__", "fresh")
+    return fresh
 
 
 def _dense_permute(graph: Graph, nd: Node) -> bool:

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from ..graph import Graph, Node
+from ..hardware import Hardware
 from ..ops import get_op
 
 
@@ -203,3 +204,17 @@ def group_rows(graph: Graph, rows: Sequence[ReportRow]) -> tuple[GroupRow, ...]:
             )
         )
     return tuple(out)
+
+
+def hardware_note(hw: Hardware) -> str:
+    """The report's line on the hardware figures: what they are, where they came from
+    (measured, pinned, the device's properties, documented defaults and why) and what they
+    were used for, so that a run that classified or tiled differently says why."""
+    from ..passes.classify import MARGIN
+
+    return (
+        f"hardware {hw.describe()}; used for: the io/param/compute classification "
+        f"(balance, decided by op kind within x{MARGIN:g} of it), tile sizes "
+        f"(L1 {hw.l1_bytes >> 10} KiB, L2 {hw.l2_bytes >> 10} KiB, {hw.cores} cores) and the "
+        "batch-slicing cache budget (L2 x cores)"
+    )

@@ -25,10 +25,11 @@ ACTS = [
     ("hardtanh", {"min_val": 0.0, "max_val": 6.0}),
     ("hardtanh", {"min_val": -1.0, "max_val": 1.0}),
     ("leaky_relu", {"negative_slope": 0.1}),
-    ("leaky_relu", {"negative_slope": 0.0}),
 ]
 NOT_MONOTONE = [
     ("leaky_relu", {"negative_slope": -0.5}),
+    # monotone, but maps -inf to NaN (-inf * 0), which a max over the window would hide
+    ("leaky_relu", {"negative_slope": 0.0}),
     ("sigmoid", {}),  # monotone, but the catalogue does not say so: not merged
 ]
 

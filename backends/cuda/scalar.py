@@ -32,18 +32,24 @@ def _gelu(x: str, attrs: Mapping[str, Any]) -> str:
     return f"(0.5f * {x} * (1.0f + erff({x} * 0.7071067811865476f)))"
 
 
-# op name -> (x, attrs) -> C expression of one float ``x``
+def _clamp(x: str, lo: str, hi: str) -> str:
+    """``x`` clamped to ``[lo, hi]`` with PyTorch's NaN semantics (``clamp``/``hardtanh``
+    of NaN is NaN): both comparisons are false for a NaN, which passes through.
+    ``fminf(fmaxf(x, lo), hi)`` would return ``lo``: fmaxf drops a NaN operand."""
+    return f"(({x}) < {lo} ? {lo} : (({x}) > {hi} ? {hi} : ({x})))"
+
+
+# op name -> (x, attrs) -> C expression of one float ``x``; NaN and +-inf give what
+# PyTorch gives (relu(NaN) = NaN: ``x < 0`` is false for a NaN)
 UNARY: dict[str, Callable[[str, Mapping[str, Any]], str]] = {
     "relu": lambda x, a: f"({x} < 0.0f ? 0.0f : {x})",
-    "hardtanh": lambda x, a: (
-        f"fminf(fmaxf({x}, {flt(a.get('min_val', -1.0))}), {flt(a.get('max_val', 1.0))})"
-    ),
+    "hardtanh": lambda x, a: _clamp(x, flt(a.get("min_val", -1.0)), flt(a.get("max_val", 1.0))),
     "leaky_relu": lambda x, a: f"({x} > 0.0f ? {x} : {x} * {flt(a.get('negative_slope', 0.01))})",
     "sigmoid": lambda x, a: f"(1.0f / (1.0f + expf(-{x})))",
     "tanh": lambda x, a: f"tanhf({x})",
     "silu": lambda x, a: f"({x} / (1.0f + expf(-{x})))",
-    "hardswish": lambda x, a: f"({x} * fminf(fmaxf({x} + 3.0f, 0.0f), 6.0f) / 6.0f)",
-    "hardsigmoid": lambda x, a: f"(fminf(fmaxf({x} + 3.0f, 0.0f), 6.0f) / 6.0f)",
+    "hardswish": lambda x, a: f"({x} * {_clamp(f'{x} + 3.0f', '0.0f', '6.0f')} / 6.0f)",
+    "hardsigmoid": lambda x, a: f"({_clamp(f'{x} + 3.0f', '0.0f', '6.0f')} / 6.0f)",
     "gelu": _gelu,
     "identity": lambda x, a: x,
     "dropout": lambda x, a: x,

@@ -131,7 +131,9 @@ class X86Backend:
             if rec is not None:
                 return (rec.kind == "kernel", rec.why)
         try:
-            self.schedule(graph, nodes, hardware)
+            # islpy's one shared context is not thread-safe: the same lock as build()
+            with _SCHEDULE_LOCK:
+                self.schedule(graph, nodes, hardware)
         except NotFusable as e:
             if key is not None:
                 assert options is not None
@@ -294,7 +296,8 @@ class IspcBackend(X86Backend):
         if not ok:
             return ok, why
         try:
-            self.render(self.schedule(graph, nodes, hardware))
+            with _SCHEDULE_LOCK:  # islpy's shared context, as in build()
+                self.render(self.schedule(graph, nodes, hardware))
         except ValueError as e:
             return False, str(e)
         return True, ""

@@ -13,6 +13,8 @@ C_FUNCS: dict[str, str] = {
     "sub": "({0} - {1})",
     "mul": "({0} * {1})",
     "div": "({0} / {1})",
+    # NaN-propagating (PyTorch's semantics for relu, clamp/hardtanh, max-pooling,
+    # torch.maximum): defined in the templates, see group.c.j2
     "max": "mw_max({0}, {1})",
     "min": "mw_min({0}, {1})",
     "neg": "(-{0})",
@@ -26,11 +28,10 @@ C_FUNCS: dict[str, str] = {
 
 
 # ISPC spells a few functions differently (its stdlib has no tanh/erf: tanh through exp,
-# erf unsupported, see UNSUPPORTED_ISPC).
+# erf unsupported, see UNSUPPORTED_ISPC); max/min are the NaN-propagating mw_max/mw_min of
+# group.ispc.j2, not ISPC's builtins (which drop a NaN).
 ISPC_FUNCS: dict[str, str] = {
     **C_FUNCS,
-    "max": "max({0}, {1})",
-    "min": "min({0}, {1})",
     "exp": "exp({0})",
     "tanh": "mw_tanh({0})",
 }
@@ -51,17 +52,20 @@ def c_expr(
     load: Callable[[Load], str],
     acc: str = "acc_v",
     table: dict[str, str] = C_FUNCS,
+    param: Callable[[ParamVec], str] | None = None,
 ) -> str:
     """C text of ``expr``; ``load`` renders a :class:`Load` (the address arithmetic);
-    ``table`` spells the functions (``C_FUNCS`` or ``ISPC_FUNCS``)."""
+    ``table`` spells the functions (``C_FUNCS`` or ``ISPC_FUNCS``); ``param`` renders a
+    :class:`ParamVec` (its element in the kernel's constant array, by default named
+    ``ParamVec.name``)."""
     if isinstance(expr, Const):
         return c_float(expr.value)
     if isinstance(expr, Load):
         return load(expr)
     if isinstance(expr, ParamVec):
-        return f"{expr.name}[{expr.index}]"
+        return param(expr) if param is not None else f"{expr.name}[{expr.index}]"
     if isinstance(expr, Acc):
         return acc
     if isinstance(expr, Call):
-        return table[expr.fn].format(*(c_expr(a, load, acc, table) for a in expr.args))
+        return table[expr.fn].format(*(c_expr(a, load, acc, table, param) for a in expr.args))
     raise TypeError(f"not an expression: {expr!r}")

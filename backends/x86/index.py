@@ -13,9 +13,12 @@ The group key hashes everything the schedule and the source depend on: the group
 indexed), the ``TensorType`` of every value they touch, which produced values escape the group (read
 outside it or graph outputs), a sha256 of the bytes of every parameter they read (batch-norm
 constants are baked into the source), ``Options.codegen_key()``, ``Hardware.key()``, the
-package version, :data:`CODEGEN_VERSION`, a hash of the codegen's own source files (so that
-editing the scheduler or the templates never hands out a stale kernel, even when nobody bumps
-the constant), the C compiler's ``--version`` output, its flags and the host's CPU.
+package version, :data:`CODEGEN_VERSION`, a hash of every source file and template of the
+installed packages (:func:`codegen_digest`, found through ``importlib.resources``, so that
+editing the scheduler, the op catalogue or a template never hands out a stale kernel, even
+when nobody bumps the constant, in an editable or a regular install alike; a missing or
+unreadable file raises :class:`CodegenDigestError`), the C compiler's ``--version`` output,
+its flags and the host's CPU.
 
 Entries are written atomically (``write_atomic``). A hit is used only when the record reads
 back whole, names its own key, and the kernel cache verifies the binary (size and sha256
@@ -28,11 +31,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.resources
 import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,24 +47,55 @@ from ...options import Options
 from ..cache import CachedKernel, compiler_version_text, kernel_cache, write_atomic
 from .build import C_FLAGS, c_compiler, host_id
 
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
+
 # Bump whenever the schedule or the C code generated from it changes meaning.
 CODEGEN_VERSION = 1
 INDEX_FORMAT = 1
 INDEX_DIR = "index"
 
-_HERE = Path(__file__).resolve().parent
-_ROOT = _HERE.parent.parent
-# The files whose content decides the generated kernel (hashed into every group key).
-_CODEGEN_FILES = (
-    _ROOT / "passes" / "schedule.py",
-    _ROOT / "middleware" / "loops.py",
-    _ROOT / "middleware" / "isl_helpers.py",
-    _HERE / "render.py",
-    _HERE / "cfuncs.py",
-    _HERE / "build.py",
-    _HERE / "backend.py",
-    _HERE / "templates" / "group.c.j2",
+# Every package this distribution installs (pyproject's [tool.setuptools] packages; a test
+# checks the two lists agree). Any of their files can change a kernel (the schedule IR, the
+# op catalogue, the graph, the loops, the templates), so all of them are hashed into every
+# group key: an edit anywhere costs one cold build, never a stale binary.
+PACKAGES = (
+    "middleware",
+    "middleware.frontends",
+    "middleware.passes",
+    "middleware.backends",
+    "middleware.backends.x86",
+    "middleware.backends.cuda",
+    "middleware.runtime",
 )
+# What a package's folder holds that is code: its modules, kernel headers and, in its
+# ``templates`` folder, the jinja2 templates (package data in a non-editable install).
+_SOURCE_SUFFIXES = (".py", ".h")
+_TEMPLATE_DIR = "templates"
+_TEMPLATE_SUFFIX = ".j2"
+# Files the generated C depends on for certain: their absence means a broken install,
+# and a digest without them would hand out stale kernels.
+REQUIRED_FILES = frozenset(
+    {
+        "middleware/graph.py",
+        "middleware/ops.py",
+        "middleware/loops.py",
+        "middleware/isl_helpers.py",
+        "middleware.passes/schedule.py",
+        "middleware.passes/schedule_ir.py",
+        "middleware.backends.x86/backend.py",
+        "middleware.backends.x86/build.py",
+        "middleware.backends.x86/cfuncs.py",
+        "middleware.backends.x86/render.py",
+        "middleware.backends.x86/templates/group.c.j2",
+        "middleware.backends.x86/templates/group.ispc.j2",
+        "middleware.backends.x86/templates/group_glue.c.j2",
+    }
+)
+
+
+class CodegenDigestError(RuntimeError):
+    """A package file the codegen digest must cover is missing or unreadable."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +119,47 @@ _records: dict[tuple[str, str], IndexRecord] = {}  # (index folder, key) -> reco
 _lock = threading.Lock()
 
 
+def codegen_files() -> dict[str, Traversable]:
+    """Every source file and template of the installed packages, by a name relative to the
+    install (``"<package>/<file>"``), found through ``importlib.resources`` so that an
+    editable and a regular install list the same files."""
+    files: dict[str, Traversable] = {}
+    for pkg in PACKAGES:
+        try:
+            root = importlib.resources.files(pkg)
+            entries = list(root.iterdir())
+        except (ImportError, OSError) as e:
+            raise CodegenDigestError(f"cannot list package {pkg!r}: {e}") from e
+        for entry in entries:
+            if entry.is_file() and entry.name.endswith(_SOURCE_SUFFIXES):
+                files[f"{pkg}/{entry.name}"] = entry
+            elif entry.name == _TEMPLATE_DIR and entry.is_dir():
+                for t in entry.iterdir():
+                    if t.is_file() and t.name.endswith(_TEMPLATE_SUFFIX):
+                        files[f"{pkg}/{_TEMPLATE_DIR}/{t.name}"] = t
+    missing = sorted(REQUIRED_FILES - files.keys())
+    if missing:
+        raise CodegenDigestError(
+            f"the installed middleware lacks {', '.join(missing)}; reinstall the package "
+            "(a digest without them could hand out stale kernels)"
+        )
+    return files
+
+
 def codegen_digest() -> str:
-    """sha256 of the codegen's source files and :data:`CODEGEN_VERSION` (memoised)."""
+    """sha256 of :data:`CODEGEN_VERSION` and every file of :func:`codegen_files`, in name
+    order (memoised). Raises :class:`CodegenDigestError` when a file cannot be read."""
     global _codegen_digest
     if _codegen_digest is None:
         h = hashlib.sha256(f"codegen={CODEGEN_VERSION}".encode())
-        for path in _CODEGEN_FILES:
-            h.update(path.name.encode())
-            with contextlib.suppress(OSError):
-                h.update(path.read_bytes())
+        for name, f in sorted(codegen_files().items()):
+            try:
+                data = f.read_bytes()
+            except OSError as e:
+                raise CodegenDigestError(f"cannot read {name}: {e}") from e
+            # length-prefixed, so that no two file lists hash alike
+            h.update(f"{name}\0{len(data)}\0".encode())
+            h.update(data)
         _codegen_digest = h.hexdigest()
     return _codegen_digest
 

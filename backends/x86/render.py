@@ -13,7 +13,7 @@ from pathlib import Path
 import jinja2
 
 from ...isl_helpers import affine_c
-from ...loops import DIMS, Load, ParamVec
+from ...loops import DIMS, Expr, Load, ParamVec
 from ...passes.schedule import Buffer, Loop, Schedule, Stage
 from .cfuncs import C_FUNCS, ISPC_FUNCS, c_expr, c_float
 
@@ -29,6 +29,35 @@ def environment() -> jinja2.Environment:
         trim_blocks=False,
         lstrip_blocks=False,
     )
+
+
+# Every identifier taken from the user's graph (value and layer names) gets its own
+# namespace: buffers ``v_<name>``, constant vectors ``p_<name>``, scratch origins
+# ``o<dim>_v_<name>``. Everything else a kernel declares (loop variables n, c, h, w,
+# k_h, k_w, tile origins t_*, acc, acc0, acc_v, the helpers min/max/floord/mw_*, C and
+# ISPC keywords, libc and math functions) starts with none of these prefixes, so a module
+# named ``c``, ``acc`` or ``expf`` can neither shadow a loop variable nor a function.
+_NOT_IDENT = re.compile(r"[^0-9A-Za-z_]")
+
+
+def buffer_ident(name: str) -> str:
+    """The C identifier of the schedule's buffer ``name`` (a user-derived value name)."""
+    return "v_" + _NOT_IDENT.sub("_", name)
+
+
+def param_ident(name: str) -> str:
+    """The C identifier of the constant vector ``name`` (derived from a layer name)."""
+    return "p_" + _NOT_IDENT.sub("_", name)
+
+
+def origin_ident(buf: Buffer, dim: int) -> str:
+    """The C identifier of a scratch buffer's first index along logical dim ``dim``."""
+    return f"o{DIMS[dim]}_{buffer_ident(buf.name)}"
+
+
+def comment(text: str) -> str:
+    """``text`` safe inside a C comment (user names may contain ``*/``)."""
+    return text.replace("*/", "* /").replace("/*", "/ *")
 
 
 _SIMPLE = re.compile(r"^\(?([A-Za-z_][A-Za-z_0-9]*|-?\d+)\)?$")
@@ -48,7 +77,7 @@ def address(buf: Buffer, index: tuple[str, ...]) -> str:
             continue
         ix = _tidy(affine_c(index[d]))
         if buf.role == "scratch":
-            ix = f"({ix} - {buf.name}_o{DIMS[d]})"
+            ix = f"({ix} - {origin_ident(buf, d)})"
         terms.append(ix if strides[d] == 1 else f"{ix} * {strides[d]}")
     return " + ".join(terms) or "0"
 
@@ -61,17 +90,24 @@ class _Ctx:
 
     def load(self, x: Load) -> str:
         b = self.by_value[x.value]
-        return f"{b.name}[{address(b, x.index)}]"
+        return f"{buffer_ident(b.name)}[{address(b, x.index)}]"
+
+    def expr(self, e: Expr) -> str:
+        return c_expr(e, self.load, table=self.table, param=self.param)
+
+    @staticmethod
+    def param(p: ParamVec) -> str:
+        return f"{param_ident(p.name)}[{p.index}]"
 
     def store(self, st: Stage) -> str:
         b = self.s.buffer(st.target)
-        return f"{b.name}[{address(b, DIMS)}] = {c_expr(st.expr, self.load, table=self.table)}"
+        return f"{buffer_ident(b.name)}[{address(b, DIMS)}] = {self.expr(st.expr)}"
 
     def accumulate(self, st: Stage) -> str:
         red = st.reduction
         assert red is not None
         a = f"acc[{red.inner.var} - acc0]"
-        body = c_expr(red.body, self.load, table=self.table)
+        body = self.expr(red.body)
         if red.op == "max":
             return self.table["max"].format(a, body)
         return f"{a} + {body}"
@@ -106,8 +142,8 @@ def param_text(p: ParamVec, per_line: int = 6) -> str:
 
 
 def signature(s: Schedule) -> str:
-    args = [f"const float *restrict {n}" for n in s.inputs]
-    args += [f"float *restrict {n}" for n in s.outputs]
+    args = [f"const float *restrict {buffer_ident(n)}" for n in s.inputs]
+    args += [f"float *restrict {buffer_ident(n)}" for n in s.outputs]
     return ", ".join(args)
 
 
@@ -136,6 +172,10 @@ def _common(s: Schedule, ctx: _Ctx) -> dict:
         store=ctx.store,
         accumulate=ctx.accumulate,
         acc_value=ctx.acc_value,
+        ident=buffer_ident,
+        param_ident=param_ident,
+        origin_ident=origin_ident,
+        comment=comment,
     )
 
 
@@ -146,13 +186,16 @@ def render_ispc(s: Schedule) -> tuple[str, str]:
     env = _common(s, ctx)
     scratch = env["scratch"]
     tparams = [p for p in s.tiling.params if p]
-    ispc_args = [f"const uniform float {n}[]" for n in s.inputs]
-    ispc_args += [f"uniform float {n}[]" for n in s.outputs]
-    ispc_args += [f"uniform float {b.name}[]" for b in scratch] + ["uniform float acc[]"]
+    ins = [buffer_ident(n) for n in s.inputs]
+    outs = [buffer_ident(n) for n in s.outputs]
+    scr = [buffer_ident(b.name) for b in scratch]
+    ispc_args = [f"const uniform float {n}[]" for n in ins]
+    ispc_args += [f"uniform float {n}[]" for n in outs]
+    ispc_args += [f"uniform float {n}[]" for n in scr] + ["uniform float acc[]"]
     ispc_args += [f"uniform int {p}" for p in tparams]
-    tile_c = [f"const float *{n}" for n in s.inputs] + [f"float *{n}" for n in s.outputs]
-    tile_c += [f"float *{b.name}" for b in scratch] + ["float *acc"] + [f"int {p}" for p in tparams]
-    args = list(s.inputs) + list(s.outputs) + [b.name for b in scratch] + ["acc"] + tparams
+    tile_c = [f"const float *{n}" for n in ins] + [f"float *{n}" for n in outs]
+    tile_c += [f"float *{n}" for n in scr] + ["float *acc"] + [f"int {p}" for p in tparams]
+    args = ins + outs + scr + ["acc"] + tparams
     ispc = environment().get_template("group.ispc.j2").render(signature=", ".join(ispc_args), **env)
     glue = (
         environment()
@@ -171,7 +214,7 @@ def render_c(s: Schedule) -> str:
     """The C source of ``s`` (one exported function named ``s.name``)."""
     env = _common(s, _Ctx(s))
     scratch_text = (
-        ", ".join(f"{b.name} {extent_text(b)}" for b in env["scratch"]) or "none"
+        ", ".join(f"{buffer_ident(b.name)} {extent_text(b)}" for b in env["scratch"]) or "none"
     ) + f" ({s.tiling.scratch_bytes} bytes)"
     return (
         environment()
