@@ -66,10 +66,10 @@ def _plan(
     owned: tuple[str, ...] = (),
 ) -> Plan:
     if device.type == "cuda":  # io groups -> generated CUDA kernels; the rest -> cuDNN/cuBLAS
-        from .backends.cuda.lower import affine_batch_norms
+        from .backends.cuda.lower import affine_batch_norms, channels_last_weights
         from .backends.cuda.units import cuda_units
 
-        graph = affine_batch_norms(graph)
+        graph = channels_last_weights(affine_batch_norms(graph))
         units = cuda_units(graph, options, hardware, device)
     else:
         units = _units(graph, options, hardware, device)

@@ -65,3 +65,40 @@ def test_lowered_graph_runs_as_generated_cuda_kernels(tmp_path):
         ref = model(x)
         got = build_plan(graph, torch.device("cpu"), units).run([x])
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_channels_last_convolutions_keep_one_weight_copy(tmp_path):
+    """The weight of a convolution writing channels_last is made channels_last once, as the
+    plan's constant; the convolution uses that constant (no second copy of its own)."""
+    import shutil
+
+    import pytest
+    from cuda_cases import FAKE_GPU
+    from middleware.backends.cuda.lower import channels_last_weights
+    from middleware.backends.cuda.units import cuda_units
+    from middleware.runtime.plan import build_plan
+    from test_cuda_units import _as_channels_last
+
+    from middleware.options import Options
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ for the emulation")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU()).eval()
+    x = torch.randn(2, 4, 6, 6)
+    graph = _as_channels_last(middleware.trace(model, x))
+    lowered = channels_last_weights(graph)
+    (conv,) = [n for n in lowered.nodes() if n.op == "conv2d"]
+    assert lowered.values[conv.inputs[1]].layout == "nhwc"
+    assert graph.values[conv.inputs[1]].layout == "nchw"  # input unchanged
+    options = Options(device="cuda", cache_dir=tmp_path, measure_hardware=False)
+    units = cuda_units(lowered, options, FAKE_GPU, torch.device("cpu"), emulate=True)
+    (unit,) = [u for u in units if conv.name in u.nodes]
+    assert "epilogue" in unit.reason and unit.fn.weight is None
+    plan = build_plan(lowered, torch.device("cpu"), units)
+    w = plan._template[plan.slot_of[conv.inputs[1]]]
+    assert w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+    xin = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = model(x)
+        torch.testing.assert_close(plan.run([xin]), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())

@@ -365,8 +365,8 @@ def _conv_weight(graph: Graph, n: Node, ep: Epilogue, device: torch.device) -> t
     """A constant weight, once, in the output's memory format (else PyTorch would convert
     it at every call); None when the weight is not a graph parameter."""
     arr = graph.params.get(n.inputs[1])
-    if arr is None:
-        return None
+    if arr is None or graph.values[n.inputs[1]].layout == ep.layout:
+        return None  # the plan's own constant is already in the output's format
     w = to_tensor(arr, device)
     return w.contiguous(memory_format=torch.channels_last) if ep.layout == "nhwc" else w
 
