@@ -4,7 +4,9 @@ Figures come from the machine itself: core count and cache sizes are read from t
 peak FLOP/s and memory bandwidth are measured with a short micro-benchmark (an fp32 GEMM
 and a STREAM-like triad through the framework), each the **median** of several short runs,
 and cached as JSON in the cache directory for :data:`CACHE_SECONDS` (a noisy measurement,
-whose runs spread more than :data:`MAX_SPREAD`, is used once and not cached). A figure
+whose runs spread more than :data:`MAX_SPREAD`, for :data:`NOISY_CACHE_SECONDS` only: long
+enough that the processes of one job agree, short enough that a figure taken under load is
+not kept). A figure
 outside the sanity bounds (:data:`BOUNDS`) is taken as a broken measurement: the documented
 defaults are used instead, and ``Hardware.detail`` says so. ``Options(hardware=...)`` (a
 ``Hardware`` or a dict of its fields) or ``$MIDDLEWARE_HARDWARE`` (JSON) pins the figures.
@@ -99,9 +101,10 @@ BOUNDS = {
 RUNS = 5
 CALLS_PER_RUN = 3
 # A measurement whose runs spread (slowest / fastest) more than this was made under load:
-# it is used for this process but not cached.
+# it is cached for NOISY_CACHE_SECONDS only (processes started meanwhile, e.g. a warm start
+# that must find the same groups, agree with it), a quiet one for CACHE_SECONDS.
 MAX_SPREAD = 1.5
-# A cached measurement is measured again after this long (a week).
+NOISY_CACHE_SECONDS = 3600.0
 CACHE_SECONDS = 7 * 24 * 3600.0
 CACHE_FILE = "hardware-cpu-v2.json"
 
@@ -265,13 +268,16 @@ def measure_cpu(runs: int = RUNS) -> Measurement:
 
 
 def _read_cache(path: Path | None, static: dict[str, Any]) -> Hardware | None:
-    """A cached measurement of this machine younger than :data:`CACHE_SECONDS`."""
+    """A cached measurement of this machine younger than :data:`CACHE_SECONDS`
+    (:data:`NOISY_CACHE_SECONDS` for a noisy one)."""
     if path is None or not path.exists():
         return None
     try:
         data = json.loads(path.read_text())
         when = float(data.pop("measured_at"))
-        if time.time() - when > CACHE_SECONDS or any(data.get(k) != v for k, v in static.items()):
+        noisy = float(data.pop("spread")) > MAX_SPREAD
+        too_old = time.time() - when > (NOISY_CACHE_SECONDS if noisy else CACHE_SECONDS)
+        if too_old or any(data.get(k) != v for k, v in static.items()):
             return None
         hw = Hardware(**data)
     except (OSError, ValueError, TypeError, KeyError):
@@ -283,7 +289,7 @@ def _read_cache(path: Path | None, static: dict[str, Any]) -> Hardware | None:
 
 
 # This process's measurements by cache file (each optimize() call does not measure again,
-# also where a noisy measurement was not cached on disk).
+# also where a failed measurement left nothing on disk).
 _MEASURED: dict[str, Hardware] = {}
 
 
@@ -298,7 +304,7 @@ def detect_cpu(cache_dir: Path | None, measure: bool = True, pinned: Any = None)
     path = Path(cache_dir) / CACHE_FILE if cache_dir else None
     memo = _MEASURED.get(str(path))
     if memo is not None and all(getattr(memo, k) == v for k, v in static.items()):
-        return memo  # this process measured already (a noisy or failed one is not on disk)
+        return memo  # this process measured already (a failed one is not on disk)
     hw = _read_cache(path, static) or _measure_or_defaults(static, path)
     _MEASURED[str(path)] = hw
     return hw
@@ -329,8 +335,9 @@ def _measure_or_defaults(static: dict[str, Any], path: Path | None) -> Hardware:
         source="measured",
         detail=f"median of {RUNS} short GEMM and triad runs, spread {m.spread:.2f}",
     )
-    if path is not None and m.spread <= MAX_SPREAD:  # a measurement under load is not kept
-        _write_json_atomic(path, {**dataclasses.asdict(hw), "measured_at": time.time()})
+    if path is not None:  # a noisy one expires within the hour (_read_cache)
+        record = {**dataclasses.asdict(hw), "measured_at": time.time(), "spread": m.spread}
+        _write_json_atomic(path, record)
     return hw
 
 

@@ -511,7 +511,10 @@ def _split(node: Node) -> Kernel:
     sizes, dim = tuple(_a(node, "split_sizes")), _a(node, "dim")
 
     def split(x):
-        return tuple(torch.split(x, sizes, dim))
+        # one piece is one output: a tensor, as every single-output kernel returns (the
+        # runtime would otherwise hand the caller a 1-tuple where it expects a tensor)
+        pieces = tuple(torch.split(x, sizes, dim))
+        return pieces if len(pieces) > 1 else pieces[0]
 
     return split
 
@@ -597,7 +600,10 @@ def _fallback(node: Node) -> Kernel:
 
     def fallback(*values):
         out = fn(*_fill(args_t, values), **_fill(kwargs_t, values))
-        return tuple(out) if multi else out
+        if multi:
+            return tuple(out)
+        # a call returning a 1-tuple (split/chunk/unbind into one piece) has one output
+        return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
 
     return fallback
 

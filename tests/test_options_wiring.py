@@ -42,7 +42,10 @@ def test_report_shows_the_hardware_figures() -> None:
 def test_options_check_memory_reaches_the_planner(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MIDDLEWARE_CHECK_MEMORY", raising=False)
     m, x = _model()
-    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, check_memory=True)
+    om = middleware.optimize(
+        m, example_inputs=(x,), measure_hardware=False, fuse=False, check_memory=True
+    )
+    assert om.plan.arena is not None  # (the check has nothing to guard without an arena)
     assert any(getattr(step[0], "checks_memory", False) for step in om.plan._program)
 
 
@@ -50,6 +53,7 @@ def test_environment_check_memory_reaches_the_planner(monkeypatch: pytest.Monkey
     monkeypatch.setenv("MIDDLEWARE_CHECK_MEMORY", "1")
     m, x = _model()
     om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, fuse=False)
+    assert om.plan.arena is not None
     assert any(getattr(step[0], "checks_memory", False) for step in om.plan._program)
     with torch.no_grad():
         torch.testing.assert_close(om(x), m(x), rtol=1e-5, atol=1e-5)
