@@ -574,7 +574,7 @@ class _Planner:
                 if self.graph.values[x] != self.graph.values[y] or u.inputs.count(x) > 1:
                     continue
                 root = self.cls.find(x)
-                if self.pinned(root) or self.class_last(root) > i:
+                if self.pinned(root) or self.class_last(root) > i or not self._writable(root, x):
                     continue
                 if y in self.outputs and self._structured(root):
                     continue  # keep the concat slices in the arena; the output is fresh
@@ -584,6 +584,19 @@ class _Planner:
                 if into is not None:
                     self.inplace_fn[i] = into
                 break
+
+    def _writable(self, root: str, x: str) -> bool:
+        """May an elementwise result be written over ``x`` (of class ``root``)? Not where a
+        fallback made a member of the class: its strides are unknown (``expand`` gives a
+        view whose elements share memory, which ATen refuses to write), and not where ``x``
+        has more bytes than the class's root (a broadcast view of a smaller value)."""
+        if self.graph.values[x].nbytes > self.graph.values[root].nbytes:
+            return False
+        return not any(
+            self.units[self.producer[m]].runs_as == "fallback"
+            for m in self.cls.members(root)
+            if self.producer.get(m, -1) >= 0
+        )
 
     def classes(self) -> tuple[dict[str, list[str]], dict[str, str]]:
         """Storage classes (root -> members) and where each lives."""

@@ -224,6 +224,44 @@ def test_a_buffer_mutated_in_forward_raises_under_strict() -> None:
     assert float(model.calls) == 0.0, "the trace's own update was undone"
 
 
+class EMA(nn.Module):
+    """A submodule the op catalogue does not know that keeps a running mean in a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(()))
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        self.ema.mul_(0.9).add_(0.1 * x.mean())
+        return x - self.ema
+
+
+class WithEMA(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = EMA()
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return torch.relu(self.norm(self.conv(x)))
+
+
+def test_a_running_mean_buffer_in_an_unknown_submodule_works(tree_close) -> None:
+    # it was frozen at 0 in the plan: every output differed from PyTorch's
+    model = WithEMA().eval()
+    eager = copy.deepcopy(model)
+    optimized = middleware.optimize(model)
+    for _ in range(3):
+        x = torch.randn(*X)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = optimized(x)
+        with torch.no_grad():
+            tree_close(got, eager(x), OPT_RTOL, OPT_ATOL)
+    torch.testing.assert_close(model.norm.ema, eager.norm.ema)
+    assert "norm.ema" in str(optimized.report())
+
+
 class Scalar(nn.Module):
     def __init__(self, item: bool) -> None:
         super().__init__()

@@ -55,19 +55,11 @@ class Unary(nn.Module):
         return self.fn(x)
 
 
-# What the runtime says when a plan raised while running: the signature then runs as the
-# original model (a correct answer, but a defect of whatever raised).
-PLAN_FAILED = "the plan failed while running"
-
-
-def run_optimized(
-    model: nn.Module, *inputs: torch.Tensor, allow_plan_failure: bool = False
-) -> OptimizedModule:
+def run_optimized(model: nn.Module, *inputs: torch.Tensor) -> OptimizedModule:
     """Optimize ``model`` for ``inputs`` and compare its outputs with eager PyTorch at a
     tolerance relative to the output's scale. Warnings (a group that fell back) are fine:
     a fallback is a correct answer; an exception from the compiler is not. The model must
-    have been traced and its plan must have run (else the test would only run PyTorch);
-    ``allow_plan_failure``: except for a known defect (``test_known_plan_failures``)."""
+    have been traced and its plan must have run (else the test would only run PyTorch)."""
     model = model.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -76,9 +68,7 @@ def run_optimized(
             got = opt(*inputs)
     with torch.no_grad():
         expected = model(*inputs)
-    if opt.graph is None:
-        report = str(opt.report())
-        assert allow_plan_failure and PLAN_FAILED in report, report
+    assert opt.graph is not None, str(opt.report())
     assert_tree_close(got, expected, OPT_RTOL, OPT_ATOL)
     return opt
 
@@ -301,21 +291,14 @@ def test_views(
 ) -> None:
     """transpose/permute/reshape/flatten/split/chunk/narrow/expand, square and non-square,
     4-d inputs also channels_last, returned directly or read by an elementwise op."""
-    kind, shape, fn, pieces = case
+    _, shape, fn, pieces = case
     x = maybe_channels_last(torch.randn(shape), channels_last)
-    # an expand of a (1,1,1,1) input read by an elementwise op hits the known planner
-    # defect of test_known_plan_failures: a correct answer, through PyTorch
-    run_optimized(Unary(_then(fn, pieces, tail)), x, allow_plan_failure=kind == "expand")
+    run_optimized(Unary(_then(fn, pieces, tail)), x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime/memory.py runs the ReLU in place into the output of expand (a fallback "
-    "reading the layout pass's to_layout of a (1,1,1,1) input): 'more than one element of "
-    "the written-to tensor refers to a single memory location' at run time, and the "
-    "signature falls back to PyTorch. Issue 11, buffer planner / to_layout",
-)
-def test_known_plan_failures() -> None:
-    """Found by test_views; remove the mark, and ``allow_plan_failure`` from test_views,
-    once fixed."""
+def test_elementwise_op_on_an_expand_of_a_1x1x1x1_input() -> None:
+    """Found by test_views: the buffer planner ran the ReLU in place into the output of the
+    expand (a fallback reading the layout pass's to_layout of the input), 'more than one
+    element of the written-to tensor refers to a single memory location' at run time, and
+    the signature fell back to PyTorch. Fixed in runtime/memory.py (to_layout aliases)."""
     run_optimized(Unary(lambda x: torch.relu(x.expand(2, 3, 3, 3, 3))), torch.randn(1, 1, 1, 1))

@@ -18,7 +18,7 @@ from middleware.runtime.plan import build_plan
 import middleware
 from middleware.graph import Graph, Node, TensorType
 from middleware.models import NETWORKS
-from middleware.ops import infer_types
+from middleware.ops import ValueRef, infer_types
 
 H = W = 5
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -30,7 +30,7 @@ BINARY = ("add", "mul", "sub")
 # views of every kind (each ends in a 4-d value of its input's shape), layout conversions
 # (aliases of their input where C == 1 or H*W == 1) and 1x1 maps (global pooling)
 VIEWS = ("identity", "dropout", "contiguous", "flatten_back", "flatten_pair", "permute_pair")
-VIEWS += ("permute_1x1", "split", "to_nchw", "to_nhwc", "gap")
+VIEWS += ("permute_1x1", "split", "to_nchw", "to_nhwc", "gap", "expand", "clone")
 
 
 def _add(g: Graph, rng: np.random.Generator, op: str, ins: list[str], k: int) -> str:
@@ -125,7 +125,20 @@ def _add_view(g: Graph, rng: np.random.Generator, op: str, x: str, k: int) -> li
         return list(outs)
     if op == "split":
         op = "identity"
+    if op == "expand":  # a fallback's broadcast view of a 1x1 map: its elements share memory
+        small = x if (h, w) == (1, 1) else _add(g, rng, "gap", [x], k)
+        return [_fallback(g, name, torch.Tensor.expand, small, (n, c, H, W), t.layout)]
+    if op == "clone":  # a fallback that allocates
+        return [_fallback(g, name, torch.clone, x, t.shape, t.layout)]
     return [_add(g, rng, op, [x], k)]
+
+
+def _fallback(g: Graph, name: str, fn, x: str, shape: tuple, layout: str) -> str:  # noqa: ANN001
+    """A fallback node calling ``fn(x, *shape)`` (expand) or ``fn(x)``."""
+    args = (ValueRef(0), *shape) if fn is torch.Tensor.expand else (ValueRef(0),)
+    node = Node(name, "fallback", (x,), (name,), {"args": args, "kwargs": {}}, payload=fn)
+    g.add_node(node, [TensorType(shape, "float32", layout)])
+    return name
 
 
 @st.composite
@@ -526,3 +539,22 @@ def test_check_memory_option_and_environment(monkeypatch: pytest.MonkeyPatch) ->
     assert Options().check_memory is True
     monkeypatch.setenv("MIDDLEWARE_CHECK_MEMORY", "0")
     assert Options().check_memory is False
+
+
+class _ExpandRelu(torch.nn.Module):
+    """``expand`` (a fallback: not in the catalogue) makes a view whose elements share one
+    memory location; the ReLU after it must not be written over it in place."""
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return torch.relu(x.expand(2, 3, 3, 3, 3))
+
+
+def test_no_in_place_write_over_a_fallbacks_broadcast_view() -> None:
+    m = _ExpandRelu().eval()
+    x = torch.randn(1, 1, 1, 1)
+    # strict: a plan that fails at run time raises instead of running as the original
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(om(x), m(x), **TOL)
+    placements = om.plan.memory.placements
+    assert placements["relu"].kind != "inplace", placements["relu"]

@@ -236,7 +236,13 @@ def test_four_modules_compiling_in_four_threads(tree_close) -> None:
 
 
 def test_optimize_with_example_inputs_in_four_threads(tree_close) -> None:
-    models = [Small().eval() for _ in range(4)]
+    def deep() -> nn.Module:  # a longer trace: a wider window for two traces to overlap
+        layers = [Small()] + [
+            nn.Sequential(nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8)) for _ in range(8)
+        ]
+        return nn.Sequential(*layers).eval()
+
+    models = [deep() for _ in range(8)]
     x = torch.randn(2, 3, 8, 8)
     optimized: dict[int, nn.Module] = {}
     errors: list[BaseException] = []
@@ -245,7 +251,8 @@ def test_optimize_with_example_inputs_in_four_threads(tree_close) -> None:
     def worker(k: int) -> None:
         try:
             barrier.wait()
-            optimized[k] = middleware.optimize(models[k], example_inputs=x)
+            for j in range(k, 8, 4):
+                optimized[j] = middleware.optimize(models[j], example_inputs=x)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
