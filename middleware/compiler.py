@@ -11,14 +11,14 @@ import torch.nn as nn
 from .backends.x86.vendor import vendor_kernel
 from .frontends import trace
 from .graph import Graph
-from .hardware import Hardware, detect
+from .hardware import Hardware, for_options
 from .ops import get_op
 from .options import Options
 from .passes import run_passes
 from .runtime.chunked import ChunkedPlan, Cut, choose_cut, split_graph
 from .runtime.module import Compiled
 from .runtime.plan import Plan, Unit, build_plan, node_step
-from .runtime.report import Report, ReportRow, group_rows, node_cost
+from .runtime.report import Report, ReportRow, group_rows, hardware_note, node_cost
 
 
 def compile_model(model: nn.Module, inputs: Sequence[torch.Tensor], options: Options) -> Compiled:
@@ -33,7 +33,7 @@ def compile_graph(
     """Passes, units and plan of ``graph``; on CUDA with ``inputs`` given, the plan is
     captured as a CUDA graph here, so that the report says whether it could be."""
     device = torch.device(options.device)
-    hardware = detect(options.device, options.cache_dir, options.measure_hardware)
+    hardware = for_options(options)
     graph = run_passes(graph, options, hardware)
     graph = _fallbacks_on(graph, device)
     cut = _cut(graph, options, hardware, device)
@@ -55,7 +55,7 @@ def compile_graph(
         if inputs is not None and all(x.device.type == "cuda" for x in inputs):
             with torch.no_grad():
                 plan.capture(inputs)
-    return Compiled(graph, plan, make_report(graph, plan))
+    return Compiled(graph, plan, make_report(graph, plan, hardware))
 
 
 def _plan(
@@ -73,7 +73,14 @@ def _plan(
         units = cuda_units(graph, options, hardware, device)
     else:
         units = _units(graph, options, hardware, device)
-    return build_plan(graph, device, units, plan_memory=options.plan_memory, owned=owned)
+    return build_plan(
+        graph,
+        device,
+        units,
+        plan_memory=options.plan_memory,
+        owned=owned,
+        check_memory=options.check_memory,
+    )
 
 
 def _cut(graph: Graph, options: Options, hardware: Hardware, device: torch.device) -> Cut | None:
@@ -144,7 +151,7 @@ def _fallbacks_on(graph: Graph, device: torch.device) -> Graph:
     return graph
 
 
-def make_report(graph: Graph, plan) -> Report:  # noqa: ANN001 - Plan, avoiding a cycle
+def make_report(graph: Graph, plan, hardware: Hardware | None = None) -> Report:  # noqa: ANN001 - Plan, avoiding a cycle
     step_of = {}
     for st in plan.steps:
         for name in st.nodes:
@@ -170,6 +177,8 @@ def make_report(graph: Graph, plan) -> Report:  # noqa: ANN001 - Plan, avoiding 
             )
         )
     notes = tuple(getattr(plan, "notes", ()))
+    if hardware is not None:  # which figures classified and tiled this plan, and whence
+        notes = (hardware_note(hardware), *notes)
     wino = [r.node for r in rows if r.reason.startswith("winograd")]
     if wino:
         notes += (
