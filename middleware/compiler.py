@@ -105,6 +105,7 @@ def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.dev
     """
     fused: dict[str, Unit] = {}
     failed: dict[str, str] = {}
+    left_out: dict[str, str] = {}  # io nodes the fusion left to the framework, and why
     winograd = options.winograd and device.type == "cpu"
     if winograd:  # their transforms compile while the fused groups do
         from .backends.x86.winograd import prebuild, winograd_kernel
@@ -113,7 +114,7 @@ def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.dev
     if options.fuse and device.type == "cpu":
         from .backends.x86.units import fusion_units
 
-        fused, failed = fusion_units(graph, options, hardware)
+        fused, failed = fusion_units(graph, options, hardware, left_out)
     if winograd:
         prebuilding.join()
     covered = {name for u in fused.values() for name in u.nodes}
@@ -132,6 +133,8 @@ def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.dev
                 reason = wino.algorithm
         if n.name in failed:
             runs_as, reason = "fallback", failed[n.name]
+        elif runs_as == "vendor" and not reason:
+            reason = left_out.get(n.name, "")
         units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
     return units
 
