@@ -6,11 +6,13 @@ interleaved round by round):
 
 - ``eager`` / ``eager_cl``: PyTorch eager (cudnn.benchmark=True), NCHW / channels_last;
 - ``compile`` / ``compile_cl``: ``torch.compile`` of the same module, NCHW / channels_last;
-- ``middleware``: ``middleware.optimize(model, device="cuda")`` on the NCHW input;
-- ``middleware_graph``: the same plan replayed as one CUDA graph (``GraphedPlan``), the
-  input already in the captured buffer and the output not cloned (the replay alone);
-- ``mw_kernel`` / ``mw_kernel_cl``: the group's generated kernel called directly on the
-  NCHW / channels_last graph (what the optimized module runs, without the plan's Python).
+- ``middleware``: ``middleware.optimize(model, device="cuda", cuda_graphs=False)`` on the
+  NCHW input, its plan run step by step;
+- ``middleware_graph``: ``middleware.optimize(model, device="cuda")`` (the default: the
+  plan replayed as one CUDA graph, the output cloned for the caller);
+- ``mw_kernel`` / ``mw_kernel_cl``: the group's generated kernel (shared-memory tiles)
+  called directly on the NCHW / channels_last graph (without the plan's Python);
+  ``mw_kernel_flat`` / ``mw_kernel_cl_flat``: the same group one thread per output.
 
 Effective bandwidth = (input bytes + output bytes) / time; the copy bandwidth counts the
 bytes read and written by ``dst.copy_(src)`` on a 1 GiB tensor. Results go to
@@ -60,7 +62,6 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeat: int = 20) -> float:
 def _kernel_modes(model: nn.Module, x: torch.Tensor, cache: Path) -> dict:
     """The generated kernel of the chain's group, NCHW and channels_last, called directly."""
     from middleware.backends.cuda.group import group_from_nodes
-    from middleware.backends.cuda.kernel import compile_cuda_group
 
     import middleware
     from middleware.graph import TensorType
@@ -76,17 +77,28 @@ def _kernel_modes(model: nn.Module, x: torch.Tensor, cache: Path) -> dict:
                     graph.values[v] = TensorType(t.shape, t.dtype, "nhwc")
         names = [n.name for n in graph.nodes()]
         group = group_from_nodes(graph, names, name=f"chain_{layout}")
-        kernel = compile_cuda_group(group, hw, cache, torch.cuda.current_device())
-        env = {p: torch.from_numpy(a).to(x.device) for p, a in graph.params.items()}
-        xin = x.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else x
-        args = [xin if v == graph.inputs[0] else env[v] for v in group.inputs]
-        y = kernel(*args)
-        torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-5)
-        outbuf = torch.empty_like(y)
-        out["mw_kernel" + ("_cl" if layout == "nhwc" else "")] = lambda k=kernel, a=args, o=outbuf: (
-            k.out(*a, o)
-        )
+        for tiled in (True, False):
+            out.update(_kernel_mode(model, x, graph, group, hw, cache, layout, tiled))
     return out
+
+
+def _kernel_mode(model, x, graph, group, hw, cache, layout, tiled) -> dict:  # noqa: ANN001
+    """One variant of the group's kernel (shared-memory tiles where the group has a tiling,
+    or one thread per output) called directly; empty when the variants coincide."""
+    from middleware.backends.cuda.kernel import compile_cuda_group
+    from middleware.backends.cuda.tiled import tile_plan
+
+    if not tiled and tile_plan(group, hw) is None:
+        return {}
+    kernel = compile_cuda_group(group, hw, cache, torch.cuda.current_device(), tiled=tiled)
+    env = {p: torch.from_numpy(a).to(x.device) for p, a in graph.params.items()}
+    xin = x.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else x
+    args = [xin if v == graph.inputs[0] else env[v] for v in group.inputs]
+    y = kernel(*args)
+    torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-5)
+    outbuf = torch.empty_like(y)
+    key = "mw_kernel" + ("_cl" if layout == "nhwc" else "") + ("" if tiled else "_flat")
+    return {key: lambda k=kernel, a=args, o=outbuf: k.out(*a, o)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,25 +146,23 @@ def main(argv: list[str] | None = None) -> int:
                 fns["compile_cl"] = lambda: compiled_cl(x_cl)
             except Exception as exc:  # noqa: BLE001 - record and go on with the other modes
                 info["compile_error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        try:
+        try:  # step by step, and (the default) replayed as one CUDA graph
             t0 = time.perf_counter()
-            opt = middleware.optimize(model, device="cuda", example_inputs=(x,), cache_dir=cache)
+            opt = middleware.optimize(
+                model, device="cuda", example_inputs=(x,), cache_dir=cache, cuda_graphs=False
+            )
             torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
             info["optimize_seconds"] = round(time.perf_counter() - t0, 1)
             info["report"] = str(opt.report())
             fns["middleware"] = lambda: opt(x)
+            graphed = middleware.optimize(
+                model, device="cuda", example_inputs=(x,), cache_dir=cache
+            )
+            torch.testing.assert_close(graphed(x), model(x), rtol=1e-5, atol=1e-5)
+            info["graph_notes"] = list(graphed.report().notes)
+            fns["middleware_graph"] = lambda: graphed(x)
         except Exception as exc:  # noqa: BLE001
             info["middleware_error"] = f"{type(exc).__name__}: {exc}"[:4000]
-        try:  # the same plan replayed as one CUDA graph (opt-in runner)
-            from middleware.backends.cuda.graphs import GraphedPlan
-
-            graphed = GraphedPlan(opt.plan, (x,))
-            torch.testing.assert_close(graphed.run((x,)), model(x), rtol=1e-5, atol=1e-5)
-            # replay only: the input already in the captured buffer, output not cloned
-            static = graphed.static_inputs
-            fns["middleware_graph"] = lambda: graphed.run(static, clone=False)
-        except Exception as exc:  # noqa: BLE001
-            info["graph_error"] = f"{type(exc).__name__}: {exc}"[:4000]
         try:
             fns.update(_kernel_modes(model, x, cache))
         except Exception as exc:  # noqa: BLE001
@@ -180,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "best_middleware_of_copy": max(mw) if mw else None,
     }
-    for key in ("compile_error", "middleware_error", "graph_error", "kernel_error"):
+    for key in ("compile_error", "middleware_error", "kernel_error"):
         if key in info:
             print(f"{key}: {info[key]}")
     print(f"device: {info['device']}   copy bandwidth {gbs:.0f} GB/s (read+write)")

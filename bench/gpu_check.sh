@@ -7,13 +7,17 @@
 # 2. install  : wheels carried in .whl/ (e.g. islpy, absent from some GPU images) into
 #               /tmp/site, then the project itself: pip install --no-deps
 #               --no-build-isolation -e . (falls back to running from the source tree);
-# 3. tests    : the CUDA tests for real (tests/test_cuda_gpu.py, incl. torchvision nets,
-#               and tests/test_cuda_compile.py, tests/test_cuda_units.py);
+# 3. tests    : the CUDA tests for real (tests/test_cuda_gpu.py; the emulation and nvcc
+#               tests run in CI without a GPU);
 # 4. chain    : bench/gpu_chain.py: BN -> ReLU -> MaxPool 3x3/2 on 16x64x112x112 fp32,
 #               eager (cudnn.benchmark, NCHW/channels_last), torch.compile, middleware,
-#               and the device-to-device copy bandwidth;
+#               and the device-to-device copy bandwidth; bench/gpu_diag.py: the chain's
+#               kernel variants (tiled / one thread per output, parts left out);
 # 5. zoo      : bench/zoo.py --device cuda if it has that option and a --budget-s, else
-#               bench/gpu_zoo.py: eleven torchvision networks at batch 16 within a budget.
+#               bench/gpu_zoo.py: eleven torchvision networks at batch 16 within a budget:
+#               eager (NCHW, channels_last), torch.compile (reduce-overhead, default,
+#               max-autotune-no-cudagraphs, as far as the budget reaches), the middleware
+#               step by step and replayed as a CUDA graph; peak allocator bytes per mode.
 #
 # Every step has its own timeout (total at most about 8 minutes) and the script never
 # stops at a failed step. Results go to $OUT if set, else bench/results/: summary.txt,
@@ -83,15 +87,15 @@ fi
 "$PY" -c "import islpy" 2>/dev/null || note "   islpy missing: carry its wheel in .whl/ (see the README)"
 
 # 3. tests
-step tests 150 "$RES/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider \
-  -m "not slow or gpu" tests/test_cuda_gpu.py tests/test_cuda_compile.py tests/test_cuda_units.py
+step tests 120 "$RES/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider \
+  -m "not slow or gpu" tests/test_cuda_gpu.py
 
-# 4. chain
-step chain 120 "$RES/chain.log" "$PY" bench/gpu_chain.py --out "$RES/chain.json"
+# 4. chain, and variants of its kernel (tiled / one thread per output, parts left out)
+step chain 90 "$RES/chain.log" "$PY" bench/gpu_chain.py --out "$RES/chain.json"
+step variants 45 "$RES/chain.log" "$PY" bench/gpu_diag.py --nets ""
 
-# 5. zoo: what is left of 8 minutes, at most 200 s
-LEFT=$((470 - ($(date +%s) - T0)))
-[ "$LEFT" -gt 200 ] && LEFT=200
+# 5. zoo: what is left of the budget (8 minutes unless MW_GPU_CHECK_S says otherwise)
+LEFT=$((${MW_GPU_CHECK_S:-470} - ($(date +%s) - T0)))
 if [ "$LEFT" -lt 40 ]; then
   note "== zoo skipped: ${LEFT}s left of the 8 minutes"
 elif [ -f bench/zoo.py ] && grep -q -- '"--device"' bench/zoo.py && grep -q -- '"--budget-s"' bench/zoo.py; then

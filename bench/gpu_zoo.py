@@ -1,12 +1,15 @@
 """The network table on a GPU: eleven torchvision CNNs at batch 16, PyTorch eager
-(cudnn.benchmark=True; NCHW and channels_last), ``torch.compile`` and the middleware, timed
-with CUDA events, interleaved in one process, inside a time budget.
+(cudnn.benchmark=True; NCHW and channels_last), ``torch.compile`` (reduce-overhead, default,
+max-autotune-no-cudagraphs) and the middleware step by step (``cuda_graphs=False``) and
+replayed as one CUDA graph (the default), timed with CUDA events, interleaved in one
+process, inside a time budget; every mode's output checked against eager; the allocator's
+peak bytes per mode.
 
 Order of work, so that a short budget still gives a useful table: first eager and the
-middleware for every network (cheap), then ``torch.compile`` for as many networks as the
-remaining budget allows (it costs tens of seconds per network; a network it does not reach
-is marked "skipped: budget"). Results are written after every network (``--out``, JSON and
-a markdown table beside it), so a run cut short keeps what it measured.
+middleware for every network (cheap), then each ``torch.compile`` mode for as many networks
+as the remaining budget allows (it costs tens of seconds per network; a network it does not
+reach is marked "skipped: budget"). Results are written after every network (``--out``,
+JSON and a markdown table beside it), so a run cut short keeps what it measured.
 
 Usage: ``python bench/gpu_zoo.py --budget-s 240 --out $OUT/gpu_zoo.json``
 """
@@ -51,9 +54,50 @@ def make(net: str) -> torch.nn.Module:
     return getattr(tvm, net)()
 
 
+# torch.compile modes, in the order the budget reaches them: reduce-overhead first (the
+# like-for-like peer of the middleware's CUDA-graph replay), then the default, then the
+# slow-to-compile autotuned mode.
+COMPILE_MODES = {
+    "compile_ro": "reduce-overhead",
+    "compile": "default",
+    "compile_mat": "max-autotune-no-cudagraphs",
+}
+TORCH_MODES = ("eager", "eager_cl", "compile", "compile_mat", "compile_ro")
+GRAPH_MODES = ("compile_ro", "mw_graph")  # replay a CUDA graph
+COLUMNS = (*TORCH_MODES, "middleware", "mw_graph")
+
+
 def time_modes(fns: dict, repeat: int, warmup: int) -> dict[str, float]:
     """Median milliseconds per mode (CUDA events), modes interleaved in every round."""
     return {k: round(v, 3) for k, v in cuda_medians(fns, repeat, warmup).items()}
+
+
+def peak_mib(build, call) -> tuple[float, object]:  # noqa: ANN001
+    """Peak allocator bytes (MiB) that building a mode and one call of it add over what
+    was allocated before (the model, its input and earlier modes' persistent memory)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn = build()
+    call(fn)
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - base) / 2**20, 1), fn
+
+
+def _geomean(xs: list[float]) -> float:
+    import math
+
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def speedups(ms: dict) -> tuple[float | None, float | None]:
+    """(step by step vs the fastest PyTorch mode without CUDA graphs, CUDA-graph replay vs
+    the fastest PyTorch mode of all, reduce-overhead included)."""
+    plain = [ms[k] for k in TORCH_MODES if k in ms and k not in GRAPH_MODES]
+    every = [ms[k] for k in TORCH_MODES if k in ms]
+    a = min(plain) / ms["middleware"] if plain and "middleware" in ms else None
+    b = min(every) / ms["mw_graph"] if every and "mw_graph" in ms else None
+    return a, b
 
 
 def write(rows: dict, out: Path | None) -> None:
@@ -62,22 +106,31 @@ def write(rows: dict, out: Path | None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     lines = [
-        "| network | eager | eager_cl | compile | middleware | mw_graph | speedup vs fastest "
-        "(middleware, mw_graph) | max rel err |",
-        "|---|---|---|---|---|---|---|---|",
+        "| network | " + " | ".join(COLUMNS) + " | middleware vs fastest w/o graphs | "
+        "mw_graph vs fastest of all | peak MiB (fastest torch, mw_graph) | max rel err |",
+        "|---|" + "---:|" * (len(COLUMNS) + 4),
     ]
+    ratios: dict[int, list[float]] = {0: [], 1: []}
     for net, r in rows.items():
         ms = r.get("ms", {})
-        torch_ms = [ms[k] for k in ("eager", "eager_cl", "compile") if k in ms]
-        speedup = ", ".join(
-            f"{min(torch_ms) / ms[k]:.2f}x" if torch_ms and k in ms else "-"
-            for k in ("middleware", "mw_graph")
+        sp = speedups(ms)
+        for k, v in enumerate(sp):
+            if v is not None:
+                ratios[k].append(v)
+        cells = [f"{ms[k]:.2f}" if k in ms else r.get(k + "_note", "-") for k in COLUMNS]
+        mem = r.get("peak_mib", {})
+        torch_ms = {k: ms[k] for k in TORCH_MODES if k in ms}
+        fastest = min(torch_ms, key=torch_ms.get) if torch_ms else None
+        mem_cell = f"{mem.get(fastest, '-')} ({fastest}), {mem.get('mw_graph', '-')}"
+        sp_cells = [f"{v:.2f}x" if v is not None else "-" for v in sp]
+        lines.append(
+            f"| {net} | {' | '.join(cells)} | {' | '.join(sp_cells)} | {mem_cell} | "
+            f"{r.get('max_rel_err', '-')} |"
         )
-        cells = [
-            f"{ms[k]:.2f}" if k in ms else r.get(k + "_note", "-")
-            for k in ("eager", "eager_cl", "compile", "middleware", "mw_graph")
-        ]
-        lines.append(f"| {net} | {' | '.join(cells)} | {speedup} | {r.get('max_rel_err', '-')} |")
+    lines.append(
+        f"| geomean | {' | '.join([''] * len(COLUMNS))} | {_geomean(ratios[0]):.2f}x "
+        f"({len(ratios[0])}) | {_geomean(ratios[1]):.2f}x ({len(ratios[1])}) | | |"
+    )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -91,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--compile-reserve-s",
         type=float,
-        default=45.0,
+        default=30.0,
         help="start a torch.compile only with this much budget left",
     )
+    p.add_argument("--compile-modes", default=",".join(COMPILE_MODES))
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -111,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     def left() -> float:
         return args.budget_s - (time.perf_counter() - t_start)
 
-    for net in nets:  # pass 1: eager and middleware
-        row = rows.setdefault(net, {"ms": {}})
+    def once(fn) -> None:  # noqa: ANN001
+        fn()
+
+    for net in nets:  # pass 1: eager and the middleware
+        row = rows.setdefault(net, {"ms": {}, "peak_mib": {}})
         if left() < 10:
             row["note"] = "skipped: budget"
             continue
@@ -125,30 +182,34 @@ def main(argv: list[str] | None = None) -> int:
             x_cl = x.contiguous(memory_format=torch.channels_last)
             fns = {"eager": lambda m=model, x=x: m(x), "eager_cl": lambda m=model_cl, x=x_cl: m(x)}
             with torch.no_grad():
-                try:
-                    t0 = time.perf_counter()
-                    opt = middleware.optimize(
-                        model, device="cuda", example_inputs=(x,), cache_dir=cache
-                    )
-                    y, ref = opt(x), model(x)
-                    row["optimize_s"] = round(time.perf_counter() - t0, 1)
-                    err = ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-                    row["max_rel_err"] = f"{err:.1e}"
-                    rep = opt.report()
-                    row["generated_nodes"] = sum(r.runs_as == "generated" for r in rep.rows)
-                    row["nodes"] = len(rep.rows)
-                    fns["middleware"] = lambda o=opt, x=x: o(x)
-                    try:  # the same plan replayed as one CUDA graph (opt-in runner)
-                        from middleware.backends.cuda.graphs import GraphedPlan
-
-                        graphed = GraphedPlan(opt.plan, (x,))
-                        fns["mw_graph"] = lambda g=graphed, x=x: g.run((x,))
+                for k in ("eager", "eager_cl"):
+                    row["peak_mib"][k], _ = peak_mib(lambda f=fns[k]: f, once)
+                ref = model(x)
+                for key, graphs in (("middleware", False), ("mw_graph", True)):
+                    try:
+                        t0 = time.perf_counter()
+                        row["peak_mib"][key], opt = peak_mib(
+                            lambda g=graphs, model=model, x=x: middleware.optimize(
+                                model,
+                                device="cuda",
+                                example_inputs=(x,),
+                                cache_dir=cache,
+                                cuda_graphs=g,
+                            ),
+                            lambda o, x=x: o(x),
+                        )
+                        y = opt(x)
+                        row[f"{key}_optimize_s"] = round(time.perf_counter() - t0, 1)
+                        err = ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+                        row["max_rel_err"] = f"{max(err, float(row.get('max_rel_err', 0))):.1e}"
+                        rep = opt.report()
+                        row["generated_nodes"] = sum(r.runs_as == "generated" for r in rep.rows)
+                        row["nodes"] = len(rep.rows)
+                        row[f"{key}_notes"] = list(rep.notes)
+                        fns[key] = lambda o=opt, x=x: o(x)
                     except Exception as exc:  # noqa: BLE001 - recorded in the table
-                        row["mw_graph_note"] = "error"
-                        row["mw_graph_error"] = f"{type(exc).__name__}: {exc}"[:1000]
-                except Exception as exc:  # noqa: BLE001 - recorded in the table
-                    row["middleware_note"] = "error"
-                    row["middleware_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                        row[f"{key}_note"] = "error"
+                        row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 row["ms"].update(time_modes(fns, args.repeat, args.warmup))
             models[net] = (model, x, fns)
         except Exception as exc:  # noqa: BLE001
@@ -158,28 +219,37 @@ def main(argv: list[str] | None = None) -> int:
         )
         write(rows, args.out)
 
-    for net in nets:  # pass 2: torch.compile while the budget lasts
-        if net not in models:
-            continue
-        row = rows[net]
-        if left() < args.compile_reserve_s:
-            row["compile_note"] = "skipped: budget"
-            continue
-        model, x, fns = models[net]
-        try:
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                compiled = torch.compile(model)
-                compiled(x)
-                row["compile_s"] = round(time.perf_counter() - t0, 1)
-                # all modes again, interleaved with torch.compile's rounds
-                fns = {**fns, "compile": lambda c=compiled, x=x: c(x)}
-                row["ms"].update(time_modes(fns, args.repeat, args.warmup))
-        except Exception as exc:  # noqa: BLE001
-            row["compile_note"] = "error"
-            row["compile_error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        print(net, "compile", row["ms"].get("compile"), row.get("compile_s"), flush=True)
-        write(rows, args.out)
+    modes = [m for m in args.compile_modes.split(",") if m]
+    for mode in modes:  # pass 2: each torch.compile mode over the networks, while budget lasts
+        for net in nets:
+            if net not in models:
+                continue
+            row = rows[net]
+            if left() < args.compile_reserve_s:
+                row[f"{mode}_note"] = "skipped: budget"
+                continue
+            model, x, fns = models[net]
+            try:
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    row["peak_mib"][mode], compiled = peak_mib(
+                        lambda m=COMPILE_MODES[mode], model=model: torch.compile(model, mode=m),
+                        lambda c, x=x: (c(x), c(x), c(x)),
+                    )
+                    y = compiled(x).clone()
+                    ref = model(x)
+                    row[f"{mode}_s"] = round(time.perf_counter() - t0, 1)
+                    row[f"{mode}_rel_err"] = (
+                        f"{((y - ref).abs().max() / ref.abs().max()).item():.1e}"
+                    )
+                    fns = {**fns, mode: lambda c=compiled, x=x: c(x)}
+                    models[net] = (model, x, fns)
+                    row["ms"].update(time_modes(fns, args.repeat, args.warmup))
+            except Exception as exc:  # noqa: BLE001
+                row[f"{mode}_note"] = "error"
+                row[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(net, mode, row["ms"].get(mode), row.get(f"{mode}_s"), flush=True)
+            write(rows, args.out)
     write(rows, args.out)
     print(json.dumps(rows, indent=1))
     return 0

@@ -11,25 +11,29 @@ import torch.nn as nn
 from .backends.x86.vendor import vendor_kernel
 from .frontends import trace
 from .graph import Graph
-from .hardware import Hardware, detect
+from .hardware import Hardware, for_options
 from .ops import get_op
 from .options import Options
 from .passes import run_passes
 from .runtime.chunked import ChunkedPlan, Cut, choose_cut, split_graph
 from .runtime.module import Compiled
 from .runtime.plan import Plan, Unit, build_plan, node_step
-from .runtime.report import Report, ReportRow, group_rows, node_cost
+from .runtime.report import Report, ReportRow, group_rows, hardware_note, node_cost
 
 
 def compile_model(model: nn.Module, inputs: Sequence[torch.Tensor], options: Options) -> Compiled:
     """Trace ``model`` on ``inputs``, run the passes and build the plan for this signature."""
     graph = trace(model, inputs)
-    return compile_graph(graph, options)
+    return compile_graph(graph, options, inputs)
 
 
-def compile_graph(graph: Graph, options: Options) -> Compiled:
+def compile_graph(
+    graph: Graph, options: Options, inputs: Sequence[torch.Tensor] | None = None
+) -> Compiled:
+    """Passes, units and plan of ``graph``; on CUDA with ``inputs`` given, the plan is
+    captured as a CUDA graph here, so that the report says whether it could be."""
     device = torch.device(options.device)
-    hardware = detect(options.device, options.cache_dir, options.measure_hardware)
+    hardware = for_options(options)
     graph = run_passes(graph, options, hardware)
     graph = _fallbacks_on(graph, device)
     cut = _cut(graph, options, hardware, device)
@@ -44,7 +48,14 @@ def compile_graph(graph: Graph, options: Options) -> Compiled:
         )
     else:
         plan = _plan(graph, options, hardware, device)
-    return Compiled(graph, plan, make_report(graph, plan))
+    if device.type == "cuda" and options.cuda_graphs:
+        from .backends.cuda.graphs import CudaGraphPlan
+
+        plan = CudaGraphPlan(plan)
+        if inputs is not None and all(x.device.type == "cuda" for x in inputs):
+            with torch.no_grad():
+                plan.capture(inputs)
+    return Compiled(graph, plan, make_report(graph, plan, hardware))
 
 
 def _plan(
@@ -55,12 +66,21 @@ def _plan(
     owned: tuple[str, ...] = (),
 ) -> Plan:
     if device.type == "cuda":  # io groups -> generated CUDA kernels; the rest -> cuDNN/cuBLAS
+        from .backends.cuda.lower import affine_batch_norms, channels_last_weights
         from .backends.cuda.units import cuda_units
 
+        graph = channels_last_weights(affine_batch_norms(graph))
         units = cuda_units(graph, options, hardware, device)
     else:
         units = _units(graph, options, hardware, device)
-    return build_plan(graph, device, units, plan_memory=options.plan_memory, owned=owned)
+    return build_plan(
+        graph,
+        device,
+        units,
+        plan_memory=options.plan_memory,
+        owned=owned,
+        check_memory=options.check_memory,
+    )
 
 
 def _cut(graph: Graph, options: Options, hardware: Hardware, device: torch.device) -> Cut | None:
@@ -85,6 +105,7 @@ def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.dev
     """
     fused: dict[str, Unit] = {}
     failed: dict[str, str] = {}
+    left_out: dict[str, str] = {}  # io nodes the fusion left to the framework, and why
     winograd = options.winograd and device.type == "cpu"
     if winograd:  # their transforms compile while the fused groups do
         from .backends.x86.winograd import prebuild, winograd_kernel
@@ -93,7 +114,7 @@ def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.dev
     if options.fuse and device.type == "cpu":
         from .backends.x86.units import fusion_units
 
-        fused, failed = fusion_units(graph, options, hardware)
+        fused, failed = fusion_units(graph, options, hardware, left_out)
     if winograd:
         prebuilding.join()
     covered = {name for u in fused.values() for name in u.nodes}
@@ -112,6 +133,8 @@ def _units(graph: Graph, options: Options, hardware: Hardware, device: torch.dev
                 reason = wino.algorithm
         if n.name in failed:
             runs_as, reason = "fallback", failed[n.name]
+        elif runs_as == "vendor" and not reason:
+            reason = left_out.get(n.name, "")
         units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
     return units
 
@@ -131,7 +154,7 @@ def _fallbacks_on(graph: Graph, device: torch.device) -> Graph:
     return graph
 
 
-def make_report(graph: Graph, plan) -> Report:  # noqa: ANN001 - Plan, avoiding a cycle
+def make_report(graph: Graph, plan, hardware: Hardware | None = None) -> Report:  # noqa: ANN001 - Plan, avoiding a cycle
     step_of = {}
     for st in plan.steps:
         for name in st.nodes:
@@ -157,6 +180,8 @@ def make_report(graph: Graph, plan) -> Report:  # noqa: ANN001 - Plan, avoiding 
             )
         )
     notes = tuple(getattr(plan, "notes", ()))
+    if hardware is not None:  # which figures classified and tiled this plan, and whence
+        notes = (hardware_note(hardware), *notes)
     wino = [r.node for r in rows if r.reason.startswith("winograd")]
     if wino:
         notes += (

@@ -81,6 +81,9 @@ class Options:
     # batched GEMM, 2-2.5x faster on large layers, within ~1e-5 of the output's scale per
     # layer. False keeps every convolution in oneDNN's direct algorithm.
     winograd: bool = True
+    # On CUDA, a plan replays as one CUDA graph (captured on its first call): no launch
+    # overhead per step. False runs the plan's steps one by one.
+    cuda_graphs: bool = True
     # Debug: after every planned step, verify that no output lands in arena bytes its value
     # was not planned in (a framework allocation aliasing a live arena value); raises
     # runtime.memory.MemoryCheckError. Default: $MIDDLEWARE_CHECK_MEMORY.

@@ -9,10 +9,10 @@ What the vendor offers is data (``POST_OPS``), per device kind and layer op:
   approximations); the binary ``add`` post-op on a convolution (a residual of the output's
   shape), alone or followed by relu only (``_convolution_pointwise.binary`` refuses any
   other unary op after the add).
-- cuda (cuDNN through ``torch.cudnn_convolution_relu`` / ``cudnn_convolution_add_relu``,
-  the only fused convolutions PyTorch exposes; both checked against the reference on an
-  H200 with torch 2.11): conv + bias + relu and conv + bias + residual add + relu; nothing
-  else is fused there (no add without relu). Linear: relu (cuBLASLt's epilogue through
+- cuda: a convolution runs through cuDNN without its bias, then ONE generated in-place
+  epilogue kernel adds the bias and the residual and applies the activation
+  (``backends/cuda/epilogue.py``), so every activation the CUDA scalar table spells can
+  follow, with or without a residual add. Linear: relu (cuBLASLt's epilogue through
   ``torch._addmm_activation``; its ``use_gelu=True`` is gelu with the tanh approximation,
   not listed since the table keys activations by name only).
 """
@@ -55,7 +55,7 @@ _ONEDNN_ELTWISE = frozenset(
 POST_OPS: dict[tuple[str, str], PostOps] = {
     ("cpu", "conv2d"): PostOps(_ONEDNN_ELTWISE, frozenset({None, "relu"})),
     ("cpu", "linear"): PostOps(_ONEDNN_ELTWISE),
-    ("cuda", "conv2d"): PostOps(frozenset({"relu"}), frozenset({"relu"})),
+    ("cuda", "conv2d"): PostOps(_ONEDNN_ELTWISE, frozenset({None}) | _ONEDNN_ELTWISE),
     ("cuda", "linear"): PostOps(frozenset({"relu"})),
 }
 

@@ -221,12 +221,14 @@ def build_plan(
     units: Sequence[Unit] | None = None,
     plan_memory: bool = False,
     owned: Sequence[str] = (),
+    check_memory: bool | None = None,
 ) -> Plan:
     """Assemble a plan from ``units`` in execution order; without them every node runs on
     its own through the framework. ``plan_memory``: run it through the buffer planner
     (runtime/memory.py: one reused arena, in-place ops, concat slices). ``owned``: graph
     inputs the caller hands over (``run`` empties its input list): they are freed after
-    their last read instead of living for the whole call."""
+    their last read instead of living for the whole call. ``check_memory``: the planner's
+    run-time overlap check (``Options.check_memory``; None: its environment default)."""
     slot_of: dict[str, int] = {}
 
     def slot(v: str) -> int:
@@ -279,7 +281,8 @@ def build_plan(
         from .memory import plan_memory as make_memory_plan
 
         try:
-            plan.use_memory_plan(make_memory_plan(graph, units, device, owned))
+            planned = make_memory_plan(graph, units, device, owned, check=check_memory)
+            plan.use_memory_plan(planned)
         except Exception as e:  # noqa: BLE001 - a planner bug must not break optimize()
             warnings.warn(
                 f"middleware: the buffer planner failed ({type(e).__name__}: {e}); "

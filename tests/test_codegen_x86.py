@@ -88,8 +88,9 @@ def test_optimize_runs_io_group_generated(tmp_path):
         torch.testing.assert_close(opt(x), m(x), atol=1e-5, rtol=1e-5)
     # after the passes (batch-norm folded into the conv, ReLU merged into the max-pool) every
     # remaining I/O-bound node runs in a generated kernel; the conv runs in the vendor library
+    # (the small 3->8 conv may itself be classified io: oneDNN runs it either way)
     rows = opt.report().rows
-    io_rows = [r for r in rows if r.bound == "io"]
+    io_rows = [r for r in rows if r.bound == "io" and r.op != "conv2d"]
     assert io_rows and all(r.runs_as == "generated" for r in io_rows), rows
     assert all(r.runs_as != "generated" for r in rows if r.op == "conv2d")
 
@@ -124,7 +125,8 @@ def test_compile_failure_falls_back_with_warning(tmp_path, broken_render):
         torch.testing.assert_close(got, m(x), atol=1e-5, rtol=1e-5)
     # after the passes the I/O-bound groups are the layout conversions and the merged
     # max-pool+ReLU; every one of them failed to compile and runs through the framework
-    rows = [r for r in opt.report().rows if r.bound == "io"]
+    # (the small conv, io or not, runs in oneDNN and is not part of a group)
+    rows = [r for r in opt.report().rows if r.bound == "io" and r.op != "conv2d"]
     assert any(r.op == "maxpool_relu" for r in rows), rows
     assert all(r.runs_as == "fallback" for r in rows)
     assert all("deliberately broken kernel" in r.reason for r in rows)

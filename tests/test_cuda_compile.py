@@ -148,3 +148,36 @@ def test_stacked_windows_are_refused_past_the_recompute_limit():
     assert "recompute" in why_unsupported(group)
     graph, names = CASES["bn_relu_maxpool"]("nchw")
     assert why_unsupported(group_from_nodes(graph, names)) == ""
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_epilogues_and_four_wide_kernels_compile_with_nvcc(arch, cache_dir):
+    """The convolution epilogues (float4 and scalar, both layouts, every activation) and a
+    kernel computing 4 elements per thread (float4 stores) compile for the device."""
+    from middleware.backends.cuda.epilogue import Epilogue, render_epilogue
+    from middleware.backends.cuda.render import vector_width
+
+    parts, names = [], []
+    acts = [None, "relu", "hardtanh", "hardswish", "silu", "sigmoid", "gelu", "leaky_relu"]
+    for i, act in enumerate(acts):
+        for layout, shape in (("nhwc", (2, 8, 5, 5)), ("nchw", (2, 3, 5, 5))):
+            ep = Epilogue(shape, layout, True, i % 2 == 0, act)
+            parts.append(f"namespace e{len(parts)} {{\n{render_epilogue(ep, FAKE_GPU)}}}\n")
+            names.append(ep.name())
+    source = "\n".join(parts)
+    data = build(cubin_request(f"epilogues_{arch}", source, arch, compiler="nvcc"), cache_dir)
+    blob = data.read_bytes()
+    for name in names:
+        assert name.encode() in blob, name
+    # a 4-wide generated kernel: 8 channels innermost in channels_last
+    from cuda_cases import Builder
+
+    b = Builder("nhwc")
+    x = b.input("x", (2, 8, 9, 7))
+    y = b.node("relu", (b.bn(x),))
+    g, ns = b.done(y)
+    wide = render_group(group_from_nodes(g, ns, name="wide"), FAKE_GPU, emulate=False)
+    assert vector_width(group_from_nodes(g, ns)) == 4 and "float4" in wide.source
+    cubin = build(cubin_request(f"wide_{arch}", wide.source, arch, compiler="nvcc"), cache_dir)
+    assert wide.name.encode() in cubin.read_bytes()

@@ -61,6 +61,89 @@ def test_emulated_kernel_matches_pytorch(case, layout, all_cases_library):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=f"{case}/{layout}: {v}")
 
 
+def _widened(case: str, layout: str):
+    """The case rebuilt with every input's innermost memory dimension rounded up to a
+    multiple of 4 (so that its kernel computes 4 elements per thread), or None where the
+    case's own parameter shapes then no longer fit."""
+    import cuda_cases
+
+    original = cuda_cases.Builder.input
+
+    def wide_input(self, name, shape):  # noqa: ANN001, ANN202
+        shape = list(shape)
+        k = 1 if len(shape) == 4 and self.layout == "nhwc" else len(shape) - 1
+        if shape:
+            shape[k] = -(-shape[k] // 4) * 4
+        return original(self, name, tuple(shape))
+
+    cuda_cases.Builder.input = wide_input
+    try:
+        return CASES[case](layout)
+    except Exception:  # noqa: BLE001 - a fixed parameter shape no longer broadcasts
+        return None
+    finally:
+        cuda_cases.Builder.input = original
+
+
+WIDE = [(c, lay) for c in sorted(CASES) for lay in LAYOUTS if _widened(c, lay) is not None]
+
+
+@pytest.fixture(scope="module")
+def wide_library(cache_dir):
+    parts = []
+    for i, (case, layout) in enumerate(WIDE):
+        graph, names = _widened(case, layout)
+        group = group_from_nodes(graph, names, name=f"wide_{case}_{layout}")
+        source = render_group(group, FAKE_GPU, emulate=True).source
+        parts.append(f"namespace wide{i} {{\n{source}}}\n")
+    return build(emulation_request("wide_cases", "\n".join(parts)), cache_dir)
+
+
+def test_most_widened_cases_compute_four_elements_per_thread():
+    from middleware.backends.cuda.render import vector_width
+
+    from middleware.ops import get_op
+
+    widths = {}
+    for c, lay in WIDE:
+        group = group_from_nodes(*_widened(c, lay), name="w")
+        widths[c, lay] = vector_width(group)
+        if not all(get_op(n.op).elementwise for n in group.nodes):
+            assert widths[c, lay] == 1, (c, lay)  # windows keep a warp's loads adjacent
+    assert len(WIDE) > 60 and list(widths.values()).count(4) > 30
+
+
+@pytest.mark.parametrize("case,layout", WIDE)
+def test_four_elements_per_thread_match_pytorch(case, layout, wide_library):
+    graph, names = _widened(case, layout)
+    group = group_from_nodes(graph, names, name=f"wide_{case}_{layout}")
+    rendered = render_group(group, FAKE_GPU, emulate=True)
+    kernel = GeneratedKernel(rendered, EmulatedLauncher(wide_library, rendered.name))
+    inputs = inputs_for(graph, seed=zlib.crc32(f"wide/{case}/{layout}".encode()) % 1000)
+    expected = graph.evaluate(*inputs)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = kernel(*kernel_args(graph, group.inputs, inputs))
+    got = got if isinstance(got, tuple) else (got,)
+    for g, e, v in zip(got, expected, group.outputs, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=f"{case}/{layout}: {v}")
+
+
+def test_unaligned_outputs_are_written_element_by_element(cache_dir):
+    """A 4-wide kernel writing into an output that is not 16-byte aligned (a slice of a
+    larger buffer) takes the scalar stores and still writes the right values."""
+    graph, names = _widened("relu", "nchw") or CASES["relu"]("nchw")
+    group = group_from_nodes(graph, names, name="unaligned_relu")
+    kernel = emulate_group(group, FAKE_GPU, cache_dir)
+    (x,) = inputs_for(graph, seed=3)
+    out_t = graph.values[group.outputs[0]]
+    buf = torch.zeros(out_t.numel + 1)
+    out = buf[1:].view(out_t.shape)
+    assert out.data_ptr() % 16 != 0
+    kernel.out(x, out)
+    torch.testing.assert_close(out, torch.relu(x))
+    assert buf[0] == 0
+
+
 def test_emulated_kernel_writes_into_given_outputs(cache_dir):
     """The destination-passing form writes every element of preallocated outputs."""
     graph, names = CASES["two_outputs"]("nhwc")

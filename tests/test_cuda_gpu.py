@@ -160,20 +160,98 @@ def test_torchvision_network_on_cuda(net, tmp_path):
     assert any(r.runs_as == "generated" for r in opt.report().rows)
 
 
-def test_graphed_plan_replays_with_new_inputs(tmp_path):
-    """The plan captured as one CUDA graph gives the model's outputs for later inputs, and
-    outputs a caller keeps are not overwritten by the next replay."""
-    from middleware.backends.cuda.graphs import GraphedPlan
+def test_plan_replays_as_a_cuda_graph_by_default(tmp_path):
+    """optimize() on CUDA captures the plan as one CUDA graph: later inputs give the model's
+    outputs, and outputs a caller keeps are not overwritten by the next replay;
+    cuda_graphs=False runs the same plan step by step."""
+    from middleware.backends.cuda.graphs import CudaGraphPlan
 
     import middleware
 
     model = _randomised(SmallNet()).cuda()
     x = torch.randn(4, 3, 33, 31, device="cuda")
     opt = middleware.optimize(model, device="cuda", example_inputs=(x,), cache_dir=tmp_path)
-    graphed = GraphedPlan(opt.plan, (x,))
+    assert isinstance(opt.plan, CudaGraphPlan) and opt.plan.graphed is not None
+    assert any("one CUDA graph" in n for n in opt.report().notes), opt.report().notes
     with torch.no_grad():
         x2, x3 = torch.randn_like(x), torch.randn_like(x)
-        y2 = graphed.run((x2,))
-        y3 = graphed.run((x3,))
+        y2 = opt(x2)
+        y3 = opt(x3)
         torch.testing.assert_close(y2, model(x2), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(y3, model(x3), rtol=1e-4, atol=1e-4)
+        plain = middleware.optimize(
+            model, device="cuda", example_inputs=(x,), cache_dir=tmp_path, cuda_graphs=False
+        )
+        assert not isinstance(plain.plan, CudaGraphPlan)
+        torch.testing.assert_close(plain(x2), y2, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_epilogue_on_the_gpu(tmp_path):
+    """Convolutions with bias, residual and activations (cuDNN + the generated epilogue)
+    in both layouts, against PyTorch on the device."""
+    import middleware
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1 = nn.Conv2d(16, 16, 3, padding=1)
+            self.c2 = nn.Conv2d(16, 16, 3, padding=1)
+            self.c3 = nn.Conv2d(16, 6, 1)
+
+        def forward(self, x):
+            y = nn.functional.hardswish(self.c1(x))
+            y = torch.relu(self.c2(y) + x)
+            return torch.sigmoid(self.c3(y))
+
+    model = Block().eval().cuda()
+    for layout in ("nchw", "nhwc"):
+        x = torch.randn(3, 16, 17, 19, device="cuda")
+        opt = middleware.optimize(model, device="cuda", cache_dir=tmp_path, layout=layout)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-4)
+        reasons = [r.reason for r in opt.report().rows if r.op == "conv2d"]
+        assert len(reasons) == 3 and all("epilogue" in r for r in reasons), reasons
+
+
+def test_tiled_kernels_match_pytorch_on_the_gpu(hardware, tmp_path):
+    """Every shared-memory tiled case (both layouts) against PyTorch on the device."""
+    from cuda_cases import CASES, LAYOUTS, inputs_for, kernel_args
+    from middleware.backends.cuda.build import build_many, cubin_request
+    from middleware.backends.cuda.group import group_from_nodes
+    from middleware.backends.cuda.kernel import GeneratedKernel
+    from middleware.backends.cuda.loader import LoadedKernel, get_loader
+    from middleware.backends.cuda.tiled import render_tiled, tile_plan
+
+    todo = []
+    for case in sorted(CASES):
+        for layout in LAYOUTS:
+            graph, names = CASES[case](layout)
+            group = group_from_nodes(graph, names, name=f"gpu_tiled_{case}_{layout}")
+            plan = tile_plan(group, hardware)
+            if plan is not None:
+                todo.append((graph, group, render_tiled(group, plan, hardware, emulate=False)))
+    assert len(todo) >= 20
+    reqs = [cubin_request(r.name, r.source, hardware.arch) for _, _, r in todo]
+    loader = get_loader()
+    for (graph, group, r), cubin in zip(todo, build_many(reqs, tmp_path), strict=True):
+        assert not isinstance(cubin, Exception), cubin
+        kernel = GeneratedKernel(r, LoadedKernel(cubin.read_bytes(), r.name, 0, loader))
+        inputs = inputs_for(graph, seed=5, device="cuda")
+        expected = graph.evaluate(*inputs)
+        got = kernel(*kernel_args(graph, group.inputs, inputs, device="cuda"))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=r.name)
+
+
+def test_window_group_keeps_the_faster_variant(tmp_path):
+    """A BN -> ReLU -> 3x3/2 max-pool group on a large map is timed as shared-memory tiles
+    and as one thread per output; the report says which ran and what was measured."""
+    import middleware
+
+    model = _randomised(nn.Sequential(nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(3, 2, 1)))
+    model = model.cuda()
+    x = torch.randn(4, 32, 64, 64, device="cuda")
+    opt = middleware.optimize(model, device="cuda", example_inputs=(x,), cache_dir=tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+    reasons = [r.reason for r in opt.report().rows if r.runs_as == "generated"]
+    assert reasons and all("measured" in r and "tiles" in r for r in reasons), reasons

@@ -120,7 +120,12 @@ def test_io_groups_are_runs_of_supported_io_nodes():
     groups = io_groups(graph)
     ops = [[graph.node(n).op for n in g] for g in groups]
     assert ops[0] == ["batch_norm", "relu", "max_pool2d"]
-    assert ["batch_norm", "hardswish", "add", "adaptive_avg_pool2d", "flatten"] in ops
+    # the 4x4 global pool (16 elements per output) reads the add's result from memory
+    assert ["batch_norm", "hardswish", "add"] in ops
+    assert ["adaptive_avg_pool2d", "flatten"] in ops
+    small = middleware.trace(SmallNet().eval(), torch.randn(1, 3, 4, 4))  # a 2x2 pool
+    small_ops = [[small.node(n).op for n in g] for g in io_groups(small)]
+    assert ["batch_norm", "hardswish", "add", "adaptive_avg_pool2d", "flatten"] in small_ops
 
 
 @pytest.mark.slow
@@ -139,15 +144,15 @@ def test_mobilenet_v3_small_planned_for_cuda_matches_pytorch(tmp_path):
 def _broken_renderer(monkeypatch):
     import dataclasses
 
-    from middleware.backends.cuda import render
+    from middleware.backends.cuda import tiled
 
-    real = render.render_group
+    real = tiled.render_kernel
 
-    def broken(group, hardware, emulate=True):
-        r = real(group, hardware, emulate)
+    def broken(group, hardware, emulate=True, tiled=True):
+        r = real(group, hardware, emulate, tiled)
         return dataclasses.replace(r, source=r.source + "\n#error planted failure\n")
 
-    monkeypatch.setattr(render, "render_group", broken)
+    monkeypatch.setattr(tiled, "render_kernel", broken)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
@@ -158,7 +163,8 @@ def test_compile_failure_falls_back_with_the_reason(monkeypatch, tmp_path):
     with pytest.warns(RuntimeWarning, match="failed to compile"):
         graph, units, plan = _emulated_plan(model, x, tmp_path)
     assert not any(u.runs_as == "generated" for u in units)
-    reasons = [u.reason for u in units if u.reason]
+    # (convolutions name their epilogue kernel, which the planted failure does not reach)
+    reasons = [u.reason for u in units if u.reason and "epilogue" not in u.reason]
     assert reasons and all("planted failure" in r for r in reasons)
     with torch.no_grad():
         torch.testing.assert_close(plan.run([x]), model(x), rtol=1e-4, atol=1e-4)
@@ -186,3 +192,79 @@ def test_io_groups_follow_the_passes_groups():
         assert len({graph.node(n).group for n in g}) == 1
     assert [graph.node(n).op for n in groups[0]] == ["batch_norm", "relu"]
     assert [graph.node(n).op for n in groups[1]] == ["max_pool2d"]
+
+
+def test_long_reductions_are_left_to_the_framework():
+    """A global pool over a large map is not pulled into a generated group (one thread per
+    output would sum the whole map serially), a small one still is."""
+    from middleware.backends.cuda.units import MAX_SERIAL_REDUCTION, reduction_extent
+
+    for hw, fused in ((24, False), (16, True)):  # 12x12 = 144 and 8x8 = 64 per output
+        graph = middleware.trace(SmallNet().eval(), torch.randn(1, 3, hw, hw))
+        (pool,) = [n for n in graph.nodes() if n.op == "adaptive_avg_pool2d"]
+        assert (reduction_extent(graph, pool) <= MAX_SERIAL_REDUCTION) == fused
+        grouped = {n for g in io_groups(graph) for n in g}
+        assert (pool.name in grouped) == fused
+
+
+def test_cuda_graph_capture_failure_runs_the_plan_step_by_step(monkeypatch):
+    """A plan that cannot be captured warns once, says why in its notes and runs uncaptured."""
+    from middleware.backends.cuda import graphs
+
+    class Plan:
+        notes = ("planned",)
+
+        def run(self, inputs):
+            return [x * 2 for x in inputs]
+
+    def refuse(plan, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "GraphedPlan", refuse)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    wrapped = graphs.CudaGraphPlan(Plan())
+    x = torch.randn(3)
+    with pytest.warns(RuntimeWarning, match="cannot be captured"):
+        assert not wrapped.capture([x])
+    torch.testing.assert_close(wrapped.run([x])[0], x * 2)
+    assert wrapped.notes[0] == "planned" and "not permitted" in wrapped.notes[-1]
+
+
+def test_fastest_variant_is_measured_on_the_group_shapes(monkeypatch):
+    """The faster of two kernel variants is kept, timed on inputs of the group's shapes
+    (CUDA events stood in for by the host clock here)."""
+    import time
+
+    from middleware.backends.cuda.group import group_from_nodes
+    from middleware.backends.cuda.units import fastest
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = 0.0
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    class Kernel:
+        def __init__(self, seconds):
+            self.seconds, self.shapes = seconds, []
+
+        def out(self, *tensors):
+            self.shapes.append(tuple(tuple(t.shape) for t in tensors))
+            time.sleep(self.seconds)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    graph = middleware.trace(SmallNet().eval(), torch.randn(1, 3, 8, 8))
+    names = io_groups(graph)[0]
+    group = group_from_nodes(graph, names)
+    slow, quick = Kernel(0.004), Kernel(0.0005)
+    best, line = fastest({"slow": slow, "quick": quick}, graph, group, torch.device("cpu"))
+    assert best == "quick" and line.startswith("quick (measured: quick")
+    expected = tuple(tuple(group.types[v].shape) for v in (*group.inputs, *group.outputs))
+    assert set(quick.shapes) == {expected}

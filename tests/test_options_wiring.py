@@ -1,8 +1,7 @@
-"""Options that this change adds but whose path through ``compile_graph`` lives in files
-owned elsewhere (middleware/compiler.py, runtime/plan.py). Strict xfails: once
-``compile_graph`` calls ``hardware.for_options(options)``, puts
-``report.hardware_note(hardware)`` in the report's notes and ``build_plan`` passes
-``check=options.check_memory`` to ``plan_memory``, they pass and the markers must go."""
+"""Options reach the stages that use them through ``optimize()``: ``Options(hardware=...)``
+the classification (``compile_graph`` calls ``hardware.for_options``), the hardware
+figures the report's notes, ``Options(check_memory=...)`` and its environment default
+the buffer planner."""
 
 from __future__ import annotations
 
@@ -12,8 +11,6 @@ import torch.nn as nn
 
 import middleware
 
-WIRING = "needs the compiler.py / plan.py wiring (see the module docstring)"
-
 
 def _model() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
@@ -21,7 +18,6 @@ def _model() -> tuple[nn.Module, torch.Tensor]:
     return m.eval(), torch.randn(2, 4, 8, 8)
 
 
-@pytest.mark.xfail(strict=True, reason=WIRING)
 def test_options_hardware_pin_reaches_the_classification(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MIDDLEWARE_HARDWARE", raising=False)
     m, x = _model()
@@ -31,14 +27,12 @@ def test_options_hardware_pin_reaches_the_classification(monkeypatch: pytest.Mon
     assert {r.op: r.bound for r in om.report().rows}["conv2d"] == "io"
 
 
-@pytest.mark.xfail(strict=True, reason=WIRING)
 def test_report_shows_the_hardware_figures() -> None:
     m, x = _model()
     om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
     assert any("GFLOP/s" in note and "classification" in note for note in om.report().notes)
 
 
-@pytest.mark.xfail(strict=True, reason=WIRING)
 def test_options_check_memory_reaches_the_planner(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MIDDLEWARE_CHECK_MEMORY", raising=False)
     m, x = _model()

@@ -133,12 +133,12 @@ def test_report_groups(tmp_path):
     node_bytes = sum(r.bytes for r in report.rows if r.group == cat_group.group)
     assert len(cat_group.nodes) > 1 and cat_group.bytes < node_bytes
     text = str(report)
-    assert len(text.splitlines()) == 2 + len(report.groups) + 1 + len(
+    assert len(text.splitlines()) == len(report.notes) + 2 + len(report.groups) + 1 + len(
         {gr.bound for gr in report.groups}
     )
     assert "maxpool" in text and "conv2d+relu" in text
     verbose = report.verbose()
-    assert len(verbose.splitlines()) == 1 + len(report.rows)
+    assert len(verbose.splitlines()) == len(report.notes) + 1 + len(report.rows)
 
 
 def test_without_classify_groups_use_the_catalogue_class(tmp_path):

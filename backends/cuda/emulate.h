@@ -35,6 +35,9 @@ using std::max;
 using std::min;
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 template <typename T> inline T __ldg(const T* p) { return *p; }
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
 
 template <typename F> inline void mw_run_grid(unsigned grid, unsigned block, F&& body) {
   gridDim.x = grid;

@@ -17,7 +17,8 @@ from ...graph import TensorType
 from ...hardware import Hardware
 from .build import build, cubin_request
 from .group import KernelGroup
-from .render import RenderedKernel, render_group
+from .render import RenderedKernel
+from .tiled import render_kernel
 
 
 class Launcher(Protocol):
@@ -85,6 +86,7 @@ def compile_cuda_group(
     device: int = 0,
     key_extra: tuple[str, ...] = (),
     loader: str | None = None,
+    tiled: bool = True,
 ) -> GeneratedKernel:
     """Render ``group``, compile it for ``hardware.arch`` through the kernel cache, load it
     with pycuda or cuda.bindings on ``device``; a callable over CUDA tensors.
@@ -94,7 +96,7 @@ def compile_cuda_group(
     """
     from .loader import LoadedKernel, get_loader
 
-    rendered = render_group(group, hardware, emulate=False)
+    rendered = render_kernel(group, hardware, emulate=False, tiled=tiled)
     req = cubin_request(
         rendered.name, rendered.source, hardware.arch or "sm_80", key_extra, meta=_meta(rendered)
     )
@@ -103,11 +105,13 @@ def compile_cuda_group(
     return GeneratedKernel(rendered, launcher)
 
 
-def emulate_group(group: KernelGroup, hardware: Hardware, cache_dir: Path) -> GeneratedKernel:
+def emulate_group(
+    group: KernelGroup, hardware: Hardware, cache_dir: Path, tiled: bool = True
+) -> GeneratedKernel:
     """The same kernel compiled for the CPU emulation: a callable over CPU tensors."""
     from .emulate import emulated_launcher
 
-    rendered = render_group(group, hardware, emulate=True)
+    rendered = render_kernel(group, hardware, emulate=True, tiled=tiled)
     return GeneratedKernel(rendered, emulated_launcher(rendered, cache_dir))
 
 

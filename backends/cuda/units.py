@@ -21,8 +21,9 @@ from ...graph import Graph, Node
 from ...hardware import Hardware
 from ...ops import Bound, get_op
 from ...options import Options
-from ...runtime.plan import Unit, node_step
+from ...runtime.plan import Unit, node_step, to_tensor
 from .elements import EMITTERS, why_unsupported
+from .epilogue import Epilogue, conv_epilogue, make_conv, render_epilogue
 from .group import KernelGroup, group_from_nodes
 
 
@@ -34,10 +35,46 @@ def _is_io(n: Node, graph: Graph | None = None) -> bool:
     bound = n.bound or str(get_op(n.op).bound)
     if bound != str(Bound.IO) or n.op not in EMITTERS:
         return False
+    if graph is not None and reduction_extent(graph, n) > MAX_SERIAL_REDUCTION:
+        return False
     if n.op == "conv2d" and graph is not None:
         cin = graph.values[n.inputs[0]].shape[1]
         return int(n.attrs.get("groups", 1)) == cin
     return True
+
+
+# One thread sums a reduction's whole extent serially: mobilenet_v3_small's SE global
+# pools (56x56 maps, 3136 elements per output, pulling a depthwise convolution through)
+# took 4.7 ms of its 7.9 ms of kernel time on an H200 this way, ATen's parallel reduction
+# 7 us each. Past this extent a reduction runs through the framework.
+MAX_SERIAL_REDUCTION = 64
+
+
+def reduction_extent(graph: Graph, n: Node) -> int:
+    """How many input elements one output element of ``n`` sums or maxes (1: not a
+    reduction)."""
+    if n.op in ("adaptive_avg_pool2d", "adaptive_max_pool2d"):
+        h, w = graph.values[n.inputs[0]].shape[2:]
+        oh, ow = graph.values[n.outputs[0]].shape[2:]
+        return -(-h // max(oh, 1)) * -(-w // max(ow, 1))
+    if n.op == "mean":
+        t = graph.values[n.inputs[0]]
+        extent = 1
+        for d in n.attrs["dims"]:
+            extent *= t.shape[d % t.rank]
+        return extent
+    return 1
+
+
+# A reduction over more than this many elements per output reads its input from memory
+# instead of pulling the producers through: mobilenet_v3_small's 7x7 SE pools recomputed
+# a 5x5 depthwise convolution 49 times per thread (64 us for one such group on an H200),
+# while the convolution's output is written to memory for the SE multiply anyway.
+MAX_PULLED_REDUCTION = 8
+
+
+def _starts_group(graph: Graph, n: Node | None) -> bool:
+    return n is not None and reduction_extent(graph, n) > MAX_PULLED_REDUCTION
 
 
 def io_groups(graph: Graph) -> list[list[str]]:
@@ -51,7 +88,10 @@ def io_groups(graph: Graph) -> list[list[str]]:
     groups: list[list[str]] = []
     run: list[Node] = []
     for n in [*graph.nodes(), None]:
-        if n is not None and _is_io(n, graph) and (not run or run[-1].group == n.group):
+        joins = n is not None and (
+            not run or (run[-1].group == n.group and not _starts_group(graph, n))
+        )
+        if joins and _is_io(n, graph):
             run.append(n)
             continue
         if run:
@@ -94,10 +134,11 @@ def cuda_units(
     and run on CPU tensors, so that grouping and plan integration are tested end to end.
     """
     from .build import build_many, cubin_request, emulation_request
-    from .emulate import emulated_launcher
+    from .emulate import EmulatedLauncher, emulated_launcher
     from .kernel import GeneratedKernel
     from .loader import LoadedKernel, get_loader
     from .render import render_group
+    from .tiled import render_kernel, tile_plan
 
     try:  # cuDNN/cuBLAS calls with prepacked weights, where the vendor module offers them
         from ..x86.vendor import vendor_kernel
@@ -126,13 +167,14 @@ def cuda_units(
                 in_group[name] = gid
 
     rendered, requests = {}, []
+    flat: dict[int, tuple] = {}  # tiled groups on a GPU: the one-thread-per-output variant too
     for gid, group in enumerate(groups):
         reason = why_unsupported(group)
         if reason:
             reasons[gid] = reason
             continue
         try:
-            r = render_group(group, hardware, emulate=emulate)
+            r = render_kernel(group, hardware, emulate=emulate)
             if emulate:
                 req = emulation_request(r.name, r.source, meta={"group": group.name})
             else:
@@ -150,9 +192,52 @@ def cuda_units(
             continue
         rendered[gid] = r
         requests.append((gid, req))
+        if not emulate and tile_plan(group, hardware) is not None:
+            f = render_group(group, hardware, emulate=False)
+            arch = hardware.arch or "sm_80"
+            flat[gid] = (
+                f,
+                cubin_request(f.name + "_flat", f.source, arch, (options.codegen_key(),)),
+            )
 
-    results = build_many([req for _, req in requests], options.cache_dir)
-    loader = get_loader() if requests and not emulate else None
+    epilogues = _epilogues(graph, in_group) if options.fuse else {}
+    ep_names = sorted({ep.name() for ep in epilogues.values()})
+    ep_of_name = {ep.name(): ep for ep in epilogues.values()}
+    ep_requests = [
+        emulation_request(nm, render_epilogue(ep_of_name[nm], hardware), meta={"epilogue": nm})
+        if emulate
+        else cubin_request(
+            nm,
+            render_epilogue(ep_of_name[nm], hardware),
+            hardware.arch or "sm_80",
+            (options.codegen_key(),),
+            meta={"epilogue": nm},
+        )
+        for nm in ep_names
+    ]
+    flat_ids = sorted(flat)
+    results = build_many(
+        [req for _, req in requests] + ep_requests + [flat[g][1] for g in flat_ids],
+        options.cache_dir,
+    )
+    k0, k1 = len(requests), len(requests) + len(ep_requests)
+    results, ep_results, flat_results = results[:k0], results[k0:k1], results[k1:]
+    flat_bins = {
+        g: res
+        for g, res in zip(flat_ids, flat_results, strict=True)
+        if not isinstance(res, Exception)
+    }
+    loader = get_loader() if (requests or ep_requests) and not emulate else None
+    ep_launchers: dict[str, object] = {}
+    for nm, result in zip(ep_names, ep_results, strict=True):
+        if isinstance(result, CompileError):
+            if options.strict:
+                raise result
+            continue  # the convolution runs with PyTorch's own bias add and activation
+        if emulate:
+            ep_launchers[nm] = EmulatedLauncher(result, nm)
+        else:
+            ep_launchers[nm] = LoadedKernel(result.read_bytes(), nm, index, loader)
     for (gid, _), result in zip(requests, results, strict=True):
         if isinstance(result, CompileError):
             if options.strict:
@@ -171,6 +256,14 @@ def cuda_units(
         else:
             launcher = LoadedKernel(result.read_bytes(), r.name, index, loader)
         kernels[gid] = GeneratedKernel(r, launcher)
+        if gid in flat_bins:  # measured, not guessed: keep the faster of the two
+            f = flat[gid][0]
+            alt = GeneratedKernel(
+                f, LoadedKernel(flat_bins[gid].read_bytes(), f.name, index, loader)
+            )
+            choice = {"shared-memory tiles": kernels[gid], "one thread per output": alt}
+            best, reasons[gid] = fastest(choice, graph, groups[gid], device)
+            kernels[gid] = choice[best]
 
     units: list[Unit] = []
     emitted: set[int] = set()
@@ -189,18 +282,93 @@ def cuda_units(
                     g.inputs,
                     g.outputs,
                     tuple(m.name for m in g.nodes),
-                    "",
+                    reasons.get(gid, ""),
                     out_fn=k.out,
                 )
             )
             continue
         runs_as, fn, reason = node_step(graph, n, device)
-        if runs_as == "vendor" and vendor_kernel is not None and not emulate:
+        ep = epilogues.get(n.name)
+        if runs_as == "vendor" and ep is not None and ep.name() in ep_launchers:
+            fn = make_conv(
+                n, ep, ep_launchers[ep.name()], hardware, _conv_weight(graph, n, ep, device)
+            )
+            reason = "cuDNN convolution + generated epilogue (" + ep.name() + ")"
+        elif runs_as == "vendor" and vendor_kernel is not None and not emulate:
             fn = vendor_kernel(graph, n, device, hardware) or fn
         if gid is not None and runs_as == "vendor":
             reason = f"not fused: {reasons.get(gid, '')}"
         units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
     return order_units(units)
+
+
+def fastest(
+    kernels: dict[str, object], graph: Graph, group: KernelGroup, device: torch.device
+) -> tuple[str, str]:
+    """The name of the fastest of ``kernels`` (variants of ``group``'s kernel) on sample
+    inputs of the group's shapes (the graph's own constants), timed with CUDA events over
+    interleaved rounds; and a line that says what was measured."""
+    args = []
+    for v in group.inputs:
+        t = group.types[v]
+        if v in graph.params:
+            args.append(to_tensor(graph.params[v], device, t.layout))
+        else:
+            x = torch.randn(t.shape, device=device)
+            args.append(x.contiguous(memory_format=torch.channels_last) if _cl(t) else x)
+    outs = [
+        torch.empty(
+            t.shape,
+            device=device,
+            memory_format=torch.channels_last if _cl(t) else torch.contiguous_format,
+        )
+        for t in (group.types[v] for v in group.outputs)
+    ]
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for k in kernels.values():
+        k.out(*args, *outs)  # warm-up
+    for _ in range(5):
+        for name, k in kernels.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                k.out(*args, *outs)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / 3 * 1e3)
+    med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    best = min(med, key=med.__getitem__)
+    line = "; ".join(
+        f"{name} {us:.1f} us" for name, us in sorted(med.items(), key=lambda kv: kv[1])
+    )
+    return best, f"{best} (measured: {line})"
+
+
+def _cl(t) -> bool:  # noqa: ANN001 - a TensorType
+    return t.rank == 4 and t.layout == "nhwc"
+
+
+def _epilogues(graph: Graph, in_group: dict[str, int]) -> dict[str, Epilogue]:
+    """The conv2d nodes that run through cuDNN (not inside a generated group) and have an
+    epilogue to fuse, by node name."""
+    out = {}
+    for n in graph.nodes():
+        if n.op != "conv2d" or n.name in in_group:
+            continue
+        ep = conv_epilogue(graph, n)
+        if ep is not None:
+            out[n.name] = ep
+    return out
+
+
+def _conv_weight(graph: Graph, n: Node, ep: Epilogue, device: torch.device) -> torch.Tensor | None:
+    """A constant weight, once, in the output's memory format (else PyTorch would convert
+    it at every call); None when the weight is not a graph parameter."""
+    arr = graph.params.get(n.inputs[1])
+    if arr is None or graph.values[n.inputs[1]].layout == ep.layout:
+        return None  # the plan's own constant is already in the output's format
+    w = to_tensor(arr, device)
+    return w.contiguous(memory_format=torch.channels_last) if ep.layout == "nhwc" else w
 
 
 def order_units(units: Sequence[Unit]) -> list[Unit]:

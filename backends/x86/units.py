@@ -102,6 +102,21 @@ def _runs(graph: Graph, names: Sequence[str]) -> list[list[str]]:
     return runs
 
 
+def _left_out(graph: Graph, name: str, refused: str) -> str:
+    """Why node ``name`` of a group the backend does not run whole may run outside a
+    generated kernel (a piece of it that does run generated drops the reason later)."""
+    if _vendor_faster(graph, name):
+        return "oneDNN through the framework, measured faster than a generated kernel"
+    node = graph.node(name)
+    if node.op not in RULES:
+        return f"op {node.op} has no loop semantics"
+    try:
+        loops_of(graph, node)
+    except NotFusable as e:
+        return f"no loop semantics for these attributes: {e}"
+    return f"its group was split: {refused}" if refused else "its group was split"
+
+
 def _split_at_escapes(graph: Graph, group: Sequence[str], names: Sequence[str]) -> list[list[str]]:
     """``names`` cut after every node whose output is read outside ``group`` (so that a
     group with several outputs becomes pieces with one output each, where it can)."""
@@ -138,32 +153,45 @@ def _build(
 
 
 def fusion_units(
-    graph: Graph, options: Options, hardware: Hardware
+    graph: Graph, options: Options, hardware: Hardware, why_not: dict[str, str] | None = None
 ) -> tuple[dict[str, Unit], dict[str, str]]:
     """(generated units keyed by the node whose position they take in the plan, fallback
-    reasons keyed by node name for groups whose compile failed).
+    reasons keyed by node name for groups whose compile failed). ``why_not``, when given,
+    receives the reason of every io node left to the framework (vendor faster, no loop
+    semantics, the backend refused its group, views only, a generator failure), for the
+    report.
 
     The groups build from a thread pool (one worker per core): while one group's C
     compiler runs, the next group is scheduled; failures are reported in group order."""
     backend = X86Backend()
     units: dict[str, Unit] = {}
     failed: dict[str, str] = {}
+    why = {} if why_not is None else why_not
     todo: list[list[str]] = []
     for group in io_groups(graph):
         candidates = [group]
-        ok, why = backend.can_run(graph, group, hardware, options)
+        ok, refused = backend.can_run(graph, group, hardware, options)
         if not ok or any(_vendor_faster(graph, n) for n in group):
             candidates = []
             for run in _runs(graph, group):
                 pieces = _split_at_escapes(graph, group, run)
                 candidates += [p for p in pieces if p != group]
-        todo += [names for names in candidates if _worth_it(graph, names)]
+            for n in group:
+                why[n] = _left_out(graph, n, "" if ok else refused)
+        for names in candidates:
+            if _worth_it(graph, names):
+                todo.append(names)
+            else:
+                for n in names:
+                    why[n] = "views only: free in the framework, no kernel needed"
     workers = max(1, min(len(todo), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(_build, backend, graph, n, options, hardware) for n in todo]
         results = [f.result() for f in futures]
     for names, (kernel, err) in zip(todo, results, strict=True):
         if isinstance(err, NotFusable):
+            for n in names:
+                why[n] = f"not fusable: {err}"
             continue
         if isinstance(err, CompileError):
             if options.strict:
@@ -189,8 +217,12 @@ def fusion_units(
                 RuntimeWarning,
                 stacklevel=2,
             )
+            for n in names:
+                why[n] = f"generating its kernel failed ({type(err).__name__}: {err})"
             continue
         assert kernel is not None
+        for n in names:
+            why.pop(n, None)
         producer = graph.producer(kernel.outputs[0])
         assert producer is not None
         units[producer.name] = Unit(
