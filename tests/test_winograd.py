@@ -128,6 +128,29 @@ def test_into_residual_writes_over_it(tmp_path):
     _close(y, ref)
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("act", ["relu", None])
+def test_nan_and_inf_reach_the_outputs_pytorch_gives(residual, act, tmp_path):
+    """A NaN or an infinity in the input would spread over its whole 4x4 tile through the
+    transforms; such tiles run the direct convolution, so exactly the outputs PyTorch's
+    convolution makes NaN or infinite are, with the same values elsewhere."""
+    g, node = conv_graph(
+        (2, 64, 13, 10), (64, 64, 3, 3), "nhwc", padding=1, activation=act, residual=residual
+    )
+    args = _inputs(g)
+    x = args[0]
+    x[0, 5, 6, 4] = float("nan")
+    x[1, 17, 0, 9] = float("inf")
+    x[1, 3, 12, 0] = float("-inf")
+    ref = get_op("conv2d").bind(node)(*args)
+    y = _kernel(g, node, tmp_path)(*args)
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+    assert int(ref.isnan().sum()) > 0 and int(ref.isinf().sum()) > 0
+    finite = ref.isfinite()
+    _close(y[finite], ref[finite])
+    assert torch.equal(y[y.isinf()], ref[ref.isinf()])
+
+
 def test_many_chunks_and_a_partial_last_one(monkeypatch, tmp_path):
     # 2 * 4 * 4 = 32 tiles in chunks of 5 (V + M of 5 tiles): 6 full chunks and one of 2
     monkeypatch.setattr(wg, "MIN_CHUNK_TILES", 1)

@@ -247,15 +247,19 @@ def winograd_kernel(graph: Graph, node: Node, options: Options, hardware: Hardwa
     f_in = getattr(lib, f"{kname}_in")
     f_in.restype = None
     f_in.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_long, ctypes.c_int]
+    f_in.argtypes += [ctypes.c_void_p]  # per tile: a NaN or infinity in its input patch
     f_out = getattr(lib, f"{kname}_out")
     f_out.restype = None
     f_out.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_long, ctypes.c_int]
+    f_out.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5  # flags, x, w, H, W, C, PH, PW
 
     x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
     c, h, w = x_t.shape[1], x_t.shape[2], x_t.shape[3]
     k, oh, ow = out_t.shape[1], out_t.shape[2], out_t.shape[3]
     (ph, pw), _, _, _ = _conv_geometry(node)
     u = transform_weight(graph.params[node.inputs[1]])
+    # the direct weights too, for tiles whose input holds a NaN or an infinity
+    w_direct = torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[1]], np.float32))
     bias = (
         torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[2]], dtype=np.float32))
         if has_bias
@@ -273,13 +277,16 @@ def winograd_kernel(graph: Graph, node: Node, options: Options, hardware: Hardwa
         chunk = chunk_tiles(c, k, tiles)
         v_buf = torch.empty(36 * chunk * c)
         m_buf = torch.empty(36 * chunk * k)
+        flags = torch.empty(chunk, dtype=torch.uint8)
         res_ptr = res.data_ptr() if res is not None else None
+        xp, fp, wp = x.data_ptr(), flags.data_ptr(), w_direct.data_ptr()
         for t0 in range(0, tiles, chunk):
             t = min(chunk, tiles - t0)
-            f_in(x.data_ptr(), v_buf.data_ptr(), h, w, c, ph, pw, t0, t)
+            f_in(xp, v_buf.data_ptr(), h, w, c, ph, pw, t0, t, fp)
             mm = m_buf[: 36 * t * k].view(36, t, k)
             torch.bmm(v_buf[: 36 * t * c].view(36, t, c), u, out=mm)
-            f_out(mm.data_ptr(), bias_ptr, res_ptr, y.data_ptr(), oh, ow, k, t0, t)
+            f_out(mm.data_ptr(), bias_ptr, res_ptr, y.data_ptr(), oh, ow, k, t0, t,
+                  fp, xp, wp, h, w, c, ph, pw)  # fmt: skip
 
     def dense(t: torch.Tensor) -> torch.Tensor:
         return t if t.is_contiguous(memory_format=cl) else t.contiguous(memory_format=cl)
