@@ -44,10 +44,16 @@ def all_cases_library(cache_dir):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_emulated_kernel_matches_pytorch(case, layout, all_cases_library):
     graph, names = CASES[case](layout)
-    group = group_from_nodes(graph, names, name=f"{case}_{layout}")
+    _check_emulated(graph, names, f"{case}_{layout}", all_cases_library, f"{case}/{layout}")
+
+
+def _check_emulated(graph, names, group_name: str, library, seed_key: str) -> None:  # noqa: ANN001
+    """The group's kernel from ``library`` on seeded inputs against ``Graph.evaluate``:
+    outputs of the right shape and layout, within 1e-5."""
+    group = group_from_nodes(graph, names, name=group_name)
     rendered = render_group(group, FAKE_GPU, emulate=True)
-    kernel = GeneratedKernel(rendered, EmulatedLauncher(all_cases_library, rendered.name))
-    inputs = inputs_for(graph, seed=zlib.crc32(f"{case}/{layout}".encode()) % 1000)
+    kernel = GeneratedKernel(rendered, EmulatedLauncher(library, rendered.name))
+    inputs = inputs_for(graph, seed=zlib.crc32(seed_key.encode()) % 1000)
     expected = graph.evaluate(*inputs)
     expected = expected if isinstance(expected, tuple) else (expected,)
     got = kernel(*kernel_args(graph, group.inputs, inputs))
@@ -58,7 +64,7 @@ def test_emulated_kernel_matches_pytorch(case, layout, all_cases_library):
         t = graph.values[v]
         if t.rank == 4 and t.layout == "nhwc":
             assert g.is_contiguous(memory_format=torch.channels_last)
-        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=f"{case}/{layout}: {v}")
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=f"{seed_key}: {v}")
 
 
 def _widened(case: str, layout: str):
@@ -116,16 +122,7 @@ def test_most_widened_cases_compute_four_elements_per_thread():
 @pytest.mark.parametrize("case,layout", WIDE)
 def test_four_elements_per_thread_match_pytorch(case, layout, wide_library):
     graph, names = _widened(case, layout)
-    group = group_from_nodes(graph, names, name=f"wide_{case}_{layout}")
-    rendered = render_group(group, FAKE_GPU, emulate=True)
-    kernel = GeneratedKernel(rendered, EmulatedLauncher(wide_library, rendered.name))
-    inputs = inputs_for(graph, seed=zlib.crc32(f"wide/{case}/{layout}".encode()) % 1000)
-    expected = graph.evaluate(*inputs)
-    expected = expected if isinstance(expected, tuple) else (expected,)
-    got = kernel(*kernel_args(graph, group.inputs, inputs))
-    got = got if isinstance(got, tuple) else (got,)
-    for g, e, v in zip(got, expected, group.outputs, strict=True):
-        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=f"{case}/{layout}: {v}")
+    _check_emulated(graph, names, f"wide_{case}_{layout}", wide_library, f"wide/{case}/{layout}")
 
 
 def test_unaligned_outputs_are_written_element_by_element(cache_dir):

@@ -16,19 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from functools import cache
-from pathlib import Path
 from typing import Any
 
-import jinja2
 import torch
 
 from ...graph import Graph, Node
 from ...hardware import Hardware
-from .render import BLOCKS_PER_SM, WARPS_PER_BLOCK
+from .render import BLOCKS_PER_SM, WARPS_PER_BLOCK, environment
 from .scalar import unary
-
-TEMPLATES = Path(__file__).parent / "templates"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,17 +82,6 @@ def conv_epilogue(graph: Graph, node: Node) -> Epilogue | None:
     )
 
 
-@cache
-def _env() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-    )
-
-
 def launch_shape(ep: Epilogue, hardware: Hardware) -> tuple[int, int]:
     block = max(1, hardware.warp_size or 32) * WARPS_PER_BLOCK
     items = ep.total // ep.vec
@@ -118,7 +102,7 @@ def render_epilogue(ep: Epilogue, hardware: Hardware) -> str:
     if ep.activation:
         formula = f"{ep.activation}({formula})"
     return (
-        _env()
+        environment()
         .get_template("epilogue.cu.j2")
         .render(
             kernel=ep.name(),

@@ -60,7 +60,9 @@ class RenderedKernel:
 
 
 @cache
-def _env() -> jinja2.Environment:
+def environment() -> jinja2.Environment:
+    """The CUDA templates' jinja2 environment (``StrictUndefined``), shared by every
+    renderer of this backend."""
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,
@@ -115,6 +117,18 @@ def _decompose(shape: tuple[int, ...], order: tuple[int, ...]) -> list[dict[str,
     return list(reversed(out))
 
 
+def value_names(group: KernelGroup, taken: set[str]) -> dict[str, str]:
+    """A unique C identifier for every value of ``group`` (inputs, then node outputs),
+    none of them in ``taken`` (the kernel's own names), which they join."""
+    names: dict[str, str] = {}
+    for v in group.inputs:
+        names[v] = cident(v, taken)
+    for n in group.nodes:
+        for v in n.outputs:
+            names[v] = cident(v, taken)
+    return names
+
+
 def kernel_name(group: KernelGroup) -> str:
     base = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in group.name)
     return f"mw_{base}"[:120]
@@ -132,13 +146,7 @@ def render_group(group: KernelGroup, hardware: Hardware, emulate: bool = True) -
         raise UnsupportedError(f"group {group.name}: {reason}")
     if not group.outputs:
         raise UnsupportedError(f"group {group.name} writes nothing")
-    taken: set[str] = {"a", "idx", "r", "step"}
-    names: dict[str, str] = {}
-    for v in group.inputs:
-        names[v] = cident(v, taken)
-    for n in group.nodes:
-        for v in n.outputs:
-            names[v] = cident(v, taken)
+    names = value_names(group, {"a", "idx", "r", "step"})
     functions = element_functions(group, names)
     vec = vector_width(group)
     total, outs = 0, []
@@ -173,7 +181,7 @@ def render_group(group: KernelGroup, hardware: Hardware, emulate: bool = True) -
     )
     name = kernel_name(group)
     source = (
-        _env()
+        environment()
         .get_template("kernel.cu.j2")
         .render(
             kernel=name,

@@ -25,10 +25,6 @@ thread with the barrier between (``mw_emulate_*`` below), exactly what the GPU c
 from __future__ import annotations
 
 import dataclasses
-from functools import cache
-from pathlib import Path
-
-import jinja2
 
 from ...errors import UnsupportedError
 from ...graph import Node
@@ -41,11 +37,12 @@ from .render import (
     WARPS_PER_BLOCK,
     LaunchConfig,
     RenderedKernel,
+    environment,
     kernel_name,
     render_group,
+    value_names,
 )
 
-TEMPLATES = Path(__file__).parent / "templates"
 WINDOW_OPS = ("max_pool2d", "maxpool_relu", "avg_pool2d")
 # Shared memory per block: 16 KiB keeps 8 blocks of 256 threads resident per SM (the whole
 # thread budget) on every architecture from sm_80 on.
@@ -128,17 +125,6 @@ def tile_plan(group: KernelGroup, hardware: Hardware) -> TilePlan | None:
     return TilePlan(w, v, "nchw", toh, ow, 1, _span(toh, kh, sh, dh), width)
 
 
-@cache
-def _env() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-    )
-
-
 def _downstream(group: KernelGroup, window: Node) -> set[str]:
     """Values computed from the window's output (the window's own included)."""
     after = set(window.outputs)
@@ -155,12 +141,7 @@ def render_tiled(
     if len(group.outputs) != 1:
         raise UnsupportedError(f"group {group.name}: a tiled kernel writes one output")
     taken: set[str] = {"a", "idx", "r", "step", "sm"}
-    names: dict[str, str] = {}
-    for v in group.inputs:
-        names[v] = cident(v, taken)
-    for n in group.nodes:
-        for v in n.outputs:
-            names[v] = cident(v, taken)
+    names = value_names(group, taken)
     tile_name = cident(plan.value + "_tile", taken)
     after = _downstream(group, plan.window)
     # pulled from memory: inputs and everything not computed from the window's output;
@@ -182,7 +163,7 @@ def render_tiled(
     name = kernel_name(group)
     ins = [{"value": v, "cname": names[v], "type": str(group.types[v])} for v in group.inputs]
     source = (
-        _env()
+        environment()
         .get_template("tiled.cu.j2")
         .render(
             kernel=name,
