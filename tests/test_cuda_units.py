@@ -144,15 +144,15 @@ def test_mobilenet_v3_small_planned_for_cuda_matches_pytorch(tmp_path):
 def _broken_renderer(monkeypatch):
     import dataclasses
 
-    from middleware.backends.cuda import tiled
+    from middleware.backends.cuda import units
 
-    real = tiled.render_kernel
+    real = units.render_kernel
 
     def broken(group, hardware, emulate=True, tiled=True):
         r = real(group, hardware, emulate, tiled)
         return dataclasses.replace(r, source=r.source + "\n#error planted failure\n")
 
-    monkeypatch.setattr(tiled, "render_kernel", broken)
+    monkeypatch.setattr(units, "render_kernel", broken)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")

@@ -25,7 +25,8 @@ class Launcher(Protocol):
     def launch(self, grid: int, block: int, ptrs: Sequence[int]) -> None: ...
 
 
-def _format(t: TensorType) -> torch.memory_format:
+def memory_format_of(t: TensorType) -> torch.memory_format:
+    """The PyTorch memory format a value of type ``t`` is stored in."""
     return torch.channels_last if t.rank == 4 and t.layout == "nhwc" else torch.contiguous_format
 
 
@@ -49,8 +50,8 @@ class GeneratedKernel:
         self.name = rendered.name
         self._n_in = len(rendered.inputs)
         self._grid, self._block = rendered.launch.grid, rendered.launch.block
-        self._ins = [(torch.Size(t.shape), _format(t)) for t in rendered.in_types]
-        self._outs = [(torch.Size(t.shape), _format(t)) for t in rendered.out_types]
+        self._ins = [(torch.Size(t.shape), memory_format_of(t)) for t in rendered.in_types]
+        self._outs = [(torch.Size(t.shape), memory_format_of(t)) for t in rendered.out_types]
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         dev = inputs[0].device if inputs else torch.device("cpu")

@@ -22,9 +22,15 @@ from ...hardware import Hardware
 from ...ops import Bound, get_op
 from ...options import Options
 from ...runtime.plan import Unit, node_step, to_tensor
+from .build import build_many, cubin_request, emulation_request
 from .elements import EMITTERS, why_unsupported
+from .emulate import EmulatedLauncher, emulated_launcher
 from .epilogue import Epilogue, conv_epilogue, make_conv, render_epilogue
 from .group import KernelGroup, group_from_nodes
+from .kernel import GeneratedKernel, memory_format_of
+from .loader import LoadedKernel, get_loader
+from .render import render_group
+from .tiled import render_kernel, tile_plan
 
 
 def _is_io(n: Node, graph: Graph | None = None) -> bool:
@@ -133,13 +139,6 @@ def cuda_units(
     ``emulate=True`` (tests without a GPU): the same kernels compiled for the CPU emulation
     and run on CPU tensors, so that grouping and plan integration are tested end to end.
     """
-    from .build import build_many, cubin_request, emulation_request
-    from .emulate import EmulatedLauncher, emulated_launcher
-    from .kernel import GeneratedKernel
-    from .loader import LoadedKernel, get_loader
-    from .render import render_group
-    from .tiled import render_kernel, tile_plan
-
     try:  # cuDNN/cuBLAS calls with prepacked weights, where the vendor module offers them
         from ..x86.vendor import vendor_kernel
     except ImportError:
@@ -315,12 +314,12 @@ def fastest(
             args.append(to_tensor(graph.params[v], device, t.layout))
         else:
             x = torch.randn(t.shape, device=device)
-            args.append(x.contiguous(memory_format=torch.channels_last) if _cl(t) else x)
+            args.append(x.contiguous(memory_format=memory_format_of(t)))
     outs = [
         torch.empty(
             t.shape,
             device=device,
-            memory_format=torch.channels_last if _cl(t) else torch.contiguous_format,
+            memory_format=memory_format_of(t),
         )
         for t in (group.types[v] for v in group.outputs)
     ]
@@ -342,10 +341,6 @@ def fastest(
         f"{name} {us:.1f} us" for name, us in sorted(med.items(), key=lambda kv: kv[1])
     )
     return best, f"{best} (measured: {line})"
-
-
-def _cl(t) -> bool:  # noqa: ANN001 - a TensorType
-    return t.rank == 4 and t.layout == "nhwc"
 
 
 def _epilogues(graph: Graph, in_group: dict[str, int]) -> dict[str, Epilogue]:
