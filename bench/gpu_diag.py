@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import sys
 import tempfile
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_zoo import NETWORKS, make  # noqa: E402
+from gpu_zoo import setup  # noqa: E402
 
 
 def kernel_table(fn, calls: int = 5, rows: int = 14) -> str:
@@ -106,12 +105,7 @@ def main() -> int:
     if args.chain:
         chain_variants(tuple(int(v) for v in args.chain.split(",")), cache)
     for net in [n for n in args.nets.split(",") if n]:
-        torch.manual_seed(0)
-        model = make(net).eval().cuda()
-        res = NETWORKS[net]
-        x = torch.randn(args.batch, 3, res, res, device="cuda")
-        model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
-        x_cl = x.contiguous(memory_format=torch.channels_last)
+        model, x, model_cl, x_cl = setup(net, args.batch)
         with torch.no_grad():
             opt = middleware.optimize(model, device="cuda", example_inputs=(x,), cache_dir=cache)
             opt(x)

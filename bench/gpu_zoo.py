@@ -67,6 +67,17 @@ GRAPH_MODES = ("compile_ro", "mw_graph")  # replay a CUDA graph
 COLUMNS = (*TORCH_MODES, "middleware", "mw_graph")
 
 
+def setup(net: str, batch: int) -> tuple:
+    """(model, input, channels_last copy of the model, channels_last input) on the GPU,
+    seeded."""
+    torch.manual_seed(0)
+    model = make(net).eval().cuda()
+    res = NETWORKS[net]
+    x = torch.randn(batch, 3, res, res, device="cuda")
+    model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
+    return model, x, model_cl, x.contiguous(memory_format=torch.channels_last)
+
+
 def time_modes(fns: dict, repeat: int, warmup: int) -> dict[str, float]:
     """Median milliseconds per mode (CUDA events), modes interleaved in every round."""
     return {k: round(v, 3) for k, v in cuda_medians(fns, repeat, warmup).items()}
@@ -174,12 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             row["note"] = "skipped: budget"
             continue
         try:
-            torch.manual_seed(0)
-            model = make(net).eval().cuda()
-            res = NETWORKS[net]
-            x = torch.randn(args.batch, 3, res, res, device="cuda")
-            model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
-            x_cl = x.contiguous(memory_format=torch.channels_last)
+            model, x, model_cl, x_cl = setup(net, args.batch)
             fns = {"eager": lambda m=model, x=x: m(x), "eager_cl": lambda m=model_cl, x=x_cl: m(x)}
             with torch.no_grad():
                 for k in ("eager", "eager_cl"):
