@@ -423,13 +423,12 @@ class OptimizedModule(nn.Module):
         runs as the original model from now on, with the reason in report()."""
         if isinstance(failure, MiddlewareError) or getattr(self.options, "check_memory", False):
             raise failure  # raised on purpose, or a debug check the user asked to hear
-        reason = (
+        reason = self._internal_failure(
             f"the plan failed while running ({_first_line(failure)}); this input signature "
-            "runs as the original PyTorch code"
+            "runs as the original PyTorch code",
+            failure,
+            stacklevel=3,
         )
-        if self.options.strict:
-            raise InternalError(reason) from failure
-        warnings.warn(f"middleware: {type(self._original).__name__}: {reason}", stacklevel=3)
         with self._compile_lock:
             self._runs_as_original(inputs, sig, reason)
         return self._original(*inputs)
@@ -601,14 +600,23 @@ class OptimizedModule(nn.Module):
                 raise failure
             self._fall_back(str(failure))
             return None, out
-        reason = (
+        reason = self._internal_failure(
             f"the compiler failed on this input signature ({_first_line(failure)}); it runs "
-            "as the original PyTorch code"
+            "as the original PyTorch code",
+            failure,
+            stacklevel=4,
         )
+        return self._runs_as_original(inputs, sig, reason), out
+
+    def _internal_failure(self, reason: str, failure: Exception, stacklevel: int) -> str:
+        """A middleware bug met while compiling or running a signature: ``InternalError``
+        under ``strict``, else a warning naming the model; returns ``reason``."""
         if self.options.strict:
             raise InternalError(reason) from failure
-        warnings.warn(f"middleware: {type(self._original).__name__}: {reason}", stacklevel=4)
-        return self._runs_as_original(inputs, sig, reason), out
+        warnings.warn(
+            f"middleware: {type(self._original).__name__}: {reason}", stacklevel=stacklevel + 1
+        )
+        return reason
 
     def _runs_as_original(
         self, inputs: Sequence[torch.Tensor], sig: tuple, reason: str
