@@ -163,6 +163,27 @@ class Small(nn.Module):
         return F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
 
 
+def _in_four_threads(work) -> None:  # noqa: ANN001
+    """Run ``work(k)`` for k = 0..3 in four threads released together; fail with every
+    exception any of them raised."""
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            barrier.wait()
+            work(k)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 def test_one_module_from_four_threads_with_new_shapes(tree_close) -> None:
     model = Small().eval()
     optimized = middleware.optimize(model)
@@ -176,25 +197,14 @@ def test_one_module_from_four_threads_with_new_shapes(tree_close) -> None:
 
     object.__setattr__(optimized, "_compile_fn", counting)
     shapes = [(1, 3, 8, 8), (2, 3, 10, 6), (3, 3, 6, 12)]
-    barrier = threading.Barrier(4)
     results: list[tuple[torch.Tensor, torch.Tensor]] = []
-    errors: list[BaseException] = []
 
-    def worker(k: int) -> None:
-        try:
-            barrier.wait()
-            for shape in shapes[k % 3 :] + shapes[: k % 3]:  # every thread, every shape
-                x = torch.randn(*shape)
-                results.append((x, optimized(x)))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+    def work(k: int) -> None:
+        for shape in shapes[k % 3 :] + shapes[: k % 3]:  # every thread, every shape
+            x = torch.randn(*shape)
+            results.append((x, optimized(x)))
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _in_four_threads(work)
     assert len(results) == 12
     for x, got in results:
         with torch.no_grad():
@@ -209,25 +219,14 @@ def test_four_modules_compiling_in_four_threads(tree_close) -> None:
     models = [Small().eval() for _ in range(4)]
     optimized = [middleware.optimize(m) for m in models]
     shapes = [(1, 3, 8, 8), (2, 3, 10, 6), (3, 3, 6, 12)]
-    barrier = threading.Barrier(4)
     results: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-    errors: list[BaseException] = []
 
-    def worker(k: int) -> None:
-        try:
-            barrier.wait()
-            for shape in shapes:
-                x = torch.randn(*shape)
-                results.append((k, x, optimized[k](x)))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+    def work(k: int) -> None:
+        for shape in shapes:
+            x = torch.randn(*shape)
+            results.append((k, x, optimized[k](x)))
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _in_four_threads(work)
     for k, x, got in results:
         with torch.no_grad():
             tree_close(got, models[k](x), OPT_RTOL, OPT_ATOL)
@@ -245,23 +244,12 @@ def test_optimize_with_example_inputs_in_four_threads(tree_close) -> None:
     models = [deep() for _ in range(8)]
     x = torch.randn(2, 3, 8, 8)
     optimized: dict[int, nn.Module] = {}
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(4)
 
-    def worker(k: int) -> None:
-        try:
-            barrier.wait()
-            for j in range(k, 8, 4):
-                optimized[j] = middleware.optimize(models[j], example_inputs=x)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+    def work(k: int) -> None:
+        for j in range(k, 8, 4):
+            optimized[j] = middleware.optimize(models[j], example_inputs=x)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _in_four_threads(work)
     for k, model in enumerate(models):
         assert optimized[k].plan is not None, optimized[k].report()
         _check(optimized[k], model, x, tree_close)
