@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import islpy as isl
 
+from . import index_expr as ix
+
 
 def box_set(
     name: str, dims: Sequence[str], extents: Sequence[int], params: Sequence[str] = ()
@@ -101,10 +103,8 @@ def c_expr(pa: isl.PwAff, context: isl.Set | None = None) -> str:
     return f"({text})"
 
 
-def loop_bounds(s: isl.Set, order: Sequence[int]) -> list[tuple[str, str]]:
-    """Inclusive (lower, upper) C bounds of each dim of ``s`` scanned in ``order`` (dim
-    positions, outermost first): the bound of a loop depends on the parameters and on the
-    loops outside it only (the inner dims are projected out)."""
+def _loop_bound_affs(s: isl.Set, order: Sequence[int]) -> list[tuple[tuple, tuple]]:
+    """Per dim of ``s`` scanned in ``order``: ((lower pw_aff, context), (upper, context))."""
     n = s.dim(isl.dim_type.set)
     # permute dims into loop order by naming them and rebuilding through a map
     names = [s.get_dim_name(isl.dim_type.set, i) for i in range(n)]
@@ -114,7 +114,6 @@ def loop_bounds(s: isl.Set, order: Sequence[int]) -> list[tuple[str, str]]:
     )
     perm = perm.align_params(s.get_space())
     t = s.apply(perm)
-    t = t.set_dim_name(isl.dim_type.set, 0, ordered[0])
     for i, nm in enumerate(ordered):
         t = t.set_dim_name(isl.dim_type.set, i, nm)
     out = []
@@ -122,8 +121,19 @@ def loop_bounds(s: isl.Set, order: Sequence[int]) -> list[tuple[str, str]]:
         inner = t.project_out(isl.dim_type.set, i + 1, n - i - 1)
         p = as_params(inner, 0, i)
         ctx = p.params()
-        out.append((c_expr(p.dim_min(0), ctx), c_expr(p.dim_max(0), ctx)))
+        out.append(((p.dim_min(0), ctx), (p.dim_max(0), ctx)))
     return out
+
+
+def _parse(bound: tuple) -> ix.Ix:
+    return ix_of(*bound)
+
+
+def loop_bounds(s: isl.Set, order: Sequence[int]) -> list[tuple[str, str]]:
+    """Inclusive (lower, upper) C bounds of each dim of ``s`` scanned in ``order`` (dim
+    positions, outermost first): the bound of a loop depends on the parameters and on the
+    loops outside it only (the inner dims are projected out)."""
+    return [(c_expr(*lo), c_expr(*hi)) for lo, hi in _loop_bound_affs(s, order)]
 
 
 def dim_range(s: isl.Set, dim: int) -> tuple[isl.PwAff, isl.PwAff]:
@@ -176,3 +186,78 @@ def guard(s: isl.Set, context: isl.Set) -> str:
         return ""
     build = isl.AstBuild.from_context(context)
     return build.expr_from_set(dom.intersect(context)).to_C_str()
+
+
+# ------------------------------------------------------- structured expressions (Ix)
+_AST_OPS = {
+    "add": "add",
+    "sub": "sub",
+    "mul": "mul",
+    "minus": "neg",
+    "fdiv_q": "floordiv",
+    "pdiv_q": "div",
+    "div": "div",
+    "pdiv_r": "mod",
+    "zdiv_r": "mod",
+    "min": "min",
+    "max": "max",
+    "cond": "select",
+    "select": "select",
+    "eq": "eq",
+    "le": "le",
+    "lt": "lt",
+    "ge": "ge",
+    "gt": "gt",
+    "and_": "and",
+    "and_then": "and",
+    "or_": "or",
+    "or_else": "or",
+}
+
+
+def ix_from_ast(e: isl.AstExpr) -> ix.Ix:
+    """The structured form of an isl AST expression (see ``middleware.index_expr``)."""
+    kind = e.get_type()
+    if kind == isl.ast_expr_type.int:
+        return ix.Int(int(e.get_val().to_python()))
+    if kind == isl.ast_expr_type.id:
+        return ix.Var(e.get_id().get_name())
+    name = str(e.get_op_type()).rsplit(".", 1)[-1]
+    try:
+        op = _AST_OPS[name]
+    except KeyError:
+        raise ValueError(f"isl AST operation {name!r} has no index form") from None
+    args = tuple(ix_from_ast(e.get_op_arg(i)) for i in range(e.get_op_n_arg()))
+    return ix.Op(op, args)
+
+
+def ix_of(pa: isl.PwAff, context: isl.Set | None = None) -> ix.Ix:
+    """A piecewise affine expression as an index tree (isl's AST builder decides the
+    ``min``/``max``/``floordiv`` structure, as ``c_expr`` prints it)."""
+    if context is None:
+        context = pa.domain().params() if pa.dim(isl.dim_type.in_) else pa.domain()
+    build = isl.AstBuild.from_context(context.params())
+    return ix_from_ast(build.expr_from_pw_aff(pa))
+
+
+def ix_bounds(s: isl.Set, order: Sequence[int]) -> list[tuple[ix.Ix, ix.Ix]]:
+    """``loop_bounds`` as index trees."""
+    return [(_parse(lo), _parse(hi)) for lo, hi in _loop_bound_affs(s, order)]
+
+
+@functools.cache
+def ix_index(text: str) -> ix.Ix:
+    """An index expression in isl syntax over ``n, c, h, w, k_h, k_w`` as a tree."""
+    pa = isl.PwAff(f"[{', '.join(_VARS)}] -> {{ [({text})] }}")
+    ctx = isl.Set(f"[{', '.join(_VARS)}] -> {{ : {' and '.join(f'{v} >= 0' for v in _VARS[:4])} }}")
+    return ix_of(pa.intersect_params(ctx), ctx)
+
+
+def ix_guard(s: isl.Set, context: isl.Set) -> ix.Ix | None:
+    """``guard`` as a tree (None when ``s`` is never empty in ``context``)."""
+    dom = s.params()
+    dom, context = align_params(dom, context)
+    if context.is_subset(dom):
+        return None
+    build = isl.AstBuild.from_context(context)
+    return ix_from_ast(build.expr_from_set(dom.intersect(context)))
