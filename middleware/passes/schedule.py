@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import islpy as isl
 
+from .. import index_expr as ix
 from .. import isl_helpers as ih
 from ..graph import Graph, Node, TensorType
 from ..hardware import Hardware
@@ -45,9 +46,9 @@ from ..loops import (
     Window,
     leaves,
     logical4,
-    loops_of,
     substitute,
 )
+from ..ops import loops_of
 from .schedule_ir import ORDER, Buffer, Loop, Reduction, Schedule, Stage, Tiling
 
 # Outputs smaller than this many elements run their tiles on one thread.
@@ -467,7 +468,19 @@ class _Builder:
                 lo, hi = ks.dim_min(0), ks.dim_max(0)
                 counts.append(f"({ih.c_expr(hi.sub(lo))} + 1)")
             divisor = " * ".join(counts)
-        return Reduction(red.reduce, red.init, red.body, loops, inner_loop, divisor)
+        return Reduction(
+            red.reduce, red.init, red.body, loops, inner_loop, divisor, self.point_loops(dom, kvars)
+        )
+
+    def point_loops(self, dom: isl.Set, kvars: Sequence[str]) -> tuple[Loop, ...]:
+        """The window loops of one output point: ``dom`` (output point and window
+        variables, window and input constraints) inside the output, scanned with the
+        output coordinates outermost, so the window bounds depend on them only."""
+        inside = " and ".join(f"0 <= {d} < {e}" for d, e in zip(DIMS, self.out4, strict=True))
+        box = isl.Set(f"{{ S[{', '.join(DIMS)}, {', '.join(kvars)}] : {inside} }}")
+        full = dom.intersect(box)
+        bounds = ih.ix_bounds(full, range(4 + len(kvars)))
+        return tuple(Loop(k, lo, hi) for k, (lo, hi) in zip(kvars, bounds[4:], strict=True))
 
     # ------------------------------------------------------------------ build
     def build(self, name: str, rows: int | None = None) -> Schedule:
@@ -526,7 +539,15 @@ class _Builder:
             guard = ih.guard(reg, isl.Set(ctx))
             stages.append(
                 Stage(
-                    label, tuple(d.nodes), self.value_ids[d.value], loops, inner, d.expr, red, guard
+                    label,
+                    tuple(d.nodes),
+                    self.value_ids[d.value],
+                    loops,
+                    inner,
+                    d.expr,
+                    red,
+                    guard,
+                    _channel_range(d.channels),
                 )
             )
         params: dict[str, ParamVec] = {}
@@ -553,6 +574,16 @@ class _Builder:
             simd_floats=self.hw.simd_floats,
             description=desc,
         )
+
+
+def _channel_range(channels: tuple[int, int] | None) -> ix.Ix | None:
+    """``first <= c <= first + count - 1`` (None: all channels)."""
+    if channels is None:
+        return None
+    first, count = channels
+    c = ix.Var("c")
+    upper = ix.op("le", c, ix.Int(first + count - 1))
+    return upper if first == 0 else ix.op("and", ix.op("le", ix.Int(first), c), upper)
 
 
 def _mem_layout(t: TensorType) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..index_expr import Ix
 from ..loops import Expr, ParamVec
 
 ORDER = {"nchw": (0, 1, 2, 3), "nhwc": (0, 2, 3, 1)}
@@ -97,6 +98,11 @@ class Reduction:
     loops: tuple[Loop, ...]
     inner: Loop
     divisor: str = ""
+    # The window loops of ONE output point (outermost first, e.g. ``k_h`` then ``k_w``),
+    # their bounds over the output coordinates ``n, c, h, w`` only (and the window loops
+    # outside them): exactly the taps the loop nest above visits for that point (inside
+    # the window and inside the input). For one-thread-per-output backends (CUDA).
+    point_loops: tuple[Loop, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +120,11 @@ class Stage:
     # C-syntax condition over the tile origins; the stage runs only in tiles where it holds
     # ("" = always), e.g. a concat slice in an NCHW tile of another channel.
     guard: str = ""
+    # The condition over the output coordinates ``n, c, h, w`` under which this stage
+    # computes an element of its target (an index expression, ``middleware.index_expr``);
+    # None: every element of the target (a concat slice: its channel range). For
+    # one-thread-per-output backends (CUDA).
+    covers: Ix | None = None
 
 
 @dataclasses.dataclass(frozen=True)
