@@ -1,7 +1,8 @@
-"""Loop semantics of the I/O-bound ops, keyed by the op names of ``middleware.ops``.
+"""Loop semantics of the I/O-bound ops: the vocabulary their registry entries use.
 
-The op catalogue stays the one place an op is described (shape rule, reference, bound);
-this module adds what depth-first code generation needs to know about an io op:
+The op registry (``middleware.ops``) is the one place an op is described; an entry's
+``loops`` field is one of the rules below (or ``unary(pointwise)`` for an activation).
+This module knows no op by name; it gives code generation's view of an io op:
 
 * its iteration domain: the output value's elements, always seen as a logical 4-d index
   ``(n, c, h, w)`` (rank-2 values ``(N, C)`` are ``(N, C, 1, 1)``);
@@ -19,13 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .graph import Graph, Node, TensorType
-from .ops import window_out_size
 
 DIMS = ("n", "c", "h", "w")
 # The closed vocabulary of scalar functions (arity) used by expressions; a backend maps
@@ -45,6 +45,18 @@ FUNCTIONS: dict[str, int] = {
     "gt": 2,  # 1 if a > b else 0 (a condition)
     "select": 3,  # cond ? a : b
 }
+
+
+def window_out_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    """Output length of a pooling window along one axis (the framework's rule)."""
+    eff = d * (k - 1) + 1
+    if ceil_mode:
+        out = math.ceil((size + 2 * p - eff) / s) + 1
+        if (out - 1) * s >= size + p:
+            out -= 1
+    else:
+        out = (size + 2 * p - eff) // s + 1
+    return out
 
 
 class NotFusable(Exception):
@@ -229,71 +241,30 @@ def broadcast_load(value: str, t: TensorType, out: TensorType) -> Load:
     return Load(value, tuple(idx))  # type: ignore[arg-type]
 
 
-# ----------------------------------------------------------- pointwise functions
-def _relu(x: Expr) -> Expr:
-    return call("max", x, Const(0.0))
+# ------------------------------------------------------------------- the rules
+# A rule: the loop semantics of one node (an op entry's ``loops`` field). A pointwise
+# function: an elementwise op's output element from its input element ``x`` (an op entry's
+# ``pointwise`` field, also used where the op is a fused post-op of another).
+Rule = Callable[[Graph, Node], OpLoops]
+Pointwise = Callable[[Mapping[str, Any], Expr], Expr]
 
 
-def _sigmoid(x: Expr) -> Expr:
-    return call("sigmoid", x)
-
-
-def _clamp(x: Expr, lo: float, hi: float) -> Expr:
+def clamp(x: Expr, lo: float, hi: float) -> Expr:
+    """``x`` clamped to ``[lo, hi]`` (``min(max(x, lo), hi)``)."""
     return call("min", call("max", x, Const(lo)), Const(hi))
 
 
-def activation_expr(name: str, attrs: dict[str, Any], x: Expr) -> Expr:
-    """The expression of activation ``name`` (an op name of the catalogue) applied to ``x``."""
-    if name == "relu":
-        return _relu(x)
-    if name == "hardtanh":
-        return _clamp(x, float(attrs["min_val"]), float(attrs["max_val"]))
-    if name == "leaky_relu":
-        s = float(attrs["negative_slope"])
-        return call("select", call("gt", x, Const(0.0)), x, call("mul", x, Const(s)))
-    if name == "sigmoid":
-        return _sigmoid(x)
-    if name == "tanh":
-        return call("tanh", x)
-    if name == "silu":
-        return call("mul", x, _sigmoid(x))
-    if name == "hardswish":
-        return call("mul", x, call("div", _clamp(call("add", x, Const(3.0)), 0.0, 6.0), Const(6.0)))
-    if name == "hardsigmoid":
-        return call("div", _clamp(call("add", x, Const(3.0)), 0.0, 6.0), Const(6.0))
-    if name == "gelu":
-        if attrs.get("approximate", "none") == "tanh":
-            inner = call(
-                "mul",
-                Const(math.sqrt(2.0 / math.pi)),
-                call("add", x, call("mul", Const(0.044715), call("mul", x, call("mul", x, x)))),
-            )
-            return call(
-                "mul", call("mul", Const(0.5), x), call("add", Const(1.0), call("tanh", inner))
-            )
-        return call(
-            "mul",
-            call("mul", Const(0.5), x),
-            call("add", Const(1.0), call("erf", call("mul", x, Const(1.0 / math.sqrt(2.0))))),
-        )
-    raise NotFusable(f"activation {name!r} has no loop semantics")
+def unary(pointwise: Pointwise) -> Rule:
+    """The rule of an elementwise op of one input: ``out = pointwise(attrs, x)``."""
+
+    def unary_loops(graph: Graph, node: Node) -> OpLoops:
+        (x,) = node.inputs
+        load = broadcast_load(x, graph.values[x], graph.values[node.outputs[0]])
+        return OpLoops("pointwise", pointwise(node.attrs, load))
+
+    return unary_loops
 
 
-ACTIVATIONS = (
-    "relu",
-    "hardtanh",
-    "leaky_relu",
-    "sigmoid",
-    "tanh",
-    "silu",
-    "hardswish",
-    "hardsigmoid",
-    "gelu",
-)
-VIEWS = ("flatten", "reshape", "identity", "dropout", "contiguous")
-
-
-# -------------------------------------------------------------------- the rules
 def _out4(graph: Graph, node: Node) -> tuple[int, int, int, int]:
     return logical4(graph.values[node.outputs[0]])
 
@@ -304,7 +275,7 @@ def _param(graph: Graph, v: str, what: str) -> np.ndarray:
     return np.asarray(graph.params[v], dtype=np.float64).reshape(-1)
 
 
-def _batch_norm(graph: Graph, node: Node) -> OpLoops:
+def batch_norm_loops(graph: Graph, node: Node) -> OpLoops:
     x, mean, var, weight, bias = node.inputs
     if graph.values[x].rank not in (2, 4):
         # the channel is dim 1 of (N, C) and (N, C, H, W); logical4 reads rank 3 as (C, H, W)
@@ -330,13 +301,7 @@ def _batch_norm(graph: Graph, node: Node) -> OpLoops:
     )
 
 
-def _activation(graph: Graph, node: Node) -> OpLoops:
-    (x,) = node.inputs
-    load = broadcast_load(x, graph.values[x], graph.values[node.outputs[0]])
-    return OpLoops("pointwise", activation_expr(node.op, dict(node.attrs), load))
-
-
-def _binary(graph: Graph, node: Node) -> OpLoops:
+def binary_loops(graph: Graph, node: Node) -> OpLoops:
     out_t = graph.values[node.outputs[0]]
     operands: list[Expr] = [broadcast_load(v, graph.values[v], out_t) for v in node.inputs]
     scalar = node.attrs.get("scalar")
@@ -396,16 +361,11 @@ def _window_load(x: str, windows: Sequence[Window]) -> Load:
     return Load(x, tuple(idx))  # type: ignore[arg-type]
 
 
-def _max_pool(graph: Graph, node: Node) -> OpLoops:
+def max_pool_loops(graph: Graph, node: Node) -> OpLoops:
     wins = _pool_windows(graph, node, _pair(node.attrs.get("dilation", 1)))
-    expr: Expr = Acc()
-    if node.op == "maxpool_relu":
-        expr = activation_expr(
-            node.attrs["activation"], dict(node.attrs.get("activation_attrs", ())), expr
-        )
     return OpLoops(
         "reduce",
-        expr,
+        Acc(),
         body=_window_load(node.inputs[0], wins),
         reduce="max",
         init=-math.inf,
@@ -413,7 +373,7 @@ def _max_pool(graph: Graph, node: Node) -> OpLoops:
     )
 
 
-def _avg_pool(graph: Graph, node: Node) -> OpLoops:
+def avg_pool_loops(graph: Graph, node: Node) -> OpLoops:
     wins = _pool_windows(graph, node, (1, 1))
     div = node.attrs.get("divisor_override")
     if div:
@@ -440,7 +400,7 @@ def _adaptive_windows(in4: Sequence[int], out4: Sequence[int]) -> tuple[Window, 
     return tuple(wins)
 
 
-def _adaptive(graph: Graph, node: Node) -> OpLoops:
+def adaptive_pool_loops(graph: Graph, node: Node) -> OpLoops:
     x = node.inputs[0]
     in4, out4 = logical4(graph.values[x]), _out4(graph, node)
     wins = _adaptive_windows(in4, out4)
@@ -453,7 +413,7 @@ def _adaptive(graph: Graph, node: Node) -> OpLoops:
     )
 
 
-def _mean(graph: Graph, node: Node) -> OpLoops:
+def mean_loops(graph: Graph, node: Node) -> OpLoops:
     x = node.inputs[0]
     xt = graph.values[x]
     dims = sorted(d % xt.rank for d in node.attrs["dims"])
@@ -466,7 +426,7 @@ def _mean(graph: Graph, node: Node) -> OpLoops:
     )
 
 
-def _view(graph: Graph, node: Node) -> OpLoops:
+def view_loops(graph: Graph, node: Node) -> OpLoops:
     x = node.inputs[0]
     in4, out4 = logical4(graph.values[x]), _out4(graph, node)
     if tuple(in4) != tuple(out4):
@@ -474,7 +434,7 @@ def _view(graph: Graph, node: Node) -> OpLoops:
     return OpLoops("pointwise", Load(x, DIMS))
 
 
-def _conv2d_depthwise(graph: Graph, node: Node) -> OpLoops:
+def depthwise_conv2d_loops(graph: Graph, node: Node) -> OpLoops:
     """Depthwise convolution (groups == in channels == out channels) as a sum window."""
     x, w = node.inputs[0], node.inputs[1]
     in4, out4 = logical4(graph.values[x]), _out4(graph, node)
@@ -503,14 +463,10 @@ def _conv2d_depthwise(graph: Graph, node: Node) -> OpLoops:
             raise NotFusable("conv bias is not a constant")
         bias = np.asarray(graph.params[b], dtype=np.float32).reshape(-1)
         expr = call("add", expr, ParamVec(f"{node.name}_bias", tuple(bias.tolist()), "c"))
-    if node.attrs.get("activation"):
-        expr = activation_expr(
-            node.attrs["activation"], dict(node.attrs.get("activation_attrs", ())), expr
-        )
     return OpLoops("reduce", expr, body=body, reduce="sum", windows=wins)
 
 
-def _cat(graph: Graph, node: Node) -> OpLoops:
+def cat_loops(graph: Graph, node: Node) -> OpLoops:
     out_t = graph.values[node.outputs[0]]
     dim = int(node.attrs["dim"]) % max(1, out_t.rank)
     if dim != 1 or out_t.rank not in (2, 4):
@@ -548,45 +504,10 @@ def shuffle_source(graph: Graph, node: Node) -> tuple[str, int] | None:
     return src, g
 
 
-def _reshape(graph: Graph, node: Node) -> OpLoops:
+def reshape_loops(graph: Graph, node: Node) -> OpLoops:
     sh = shuffle_source(graph, node)
     if sh is None:
-        return _view(graph, node)
+        return view_loops(graph, node)
     src, g = sh
     per = graph.values[src].shape[1] // g
     return OpLoops("pointwise", Load(src, ("n", f"(c mod {g})*{per} + floor(c/{g})", "h", "w")))
-
-
-RULES: dict[str, Callable[[Graph, Node], OpLoops]] = {
-    "cat": _cat,
-    "batch_norm": _batch_norm,
-    **{a: _activation for a in ACTIVATIONS},
-    **{b: _binary for b in ("add", "sub", "mul", "div")},
-    "max_pool2d": _max_pool,
-    "maxpool_relu": _max_pool,
-    "avg_pool2d": _avg_pool,
-    "adaptive_avg_pool2d": _adaptive,
-    "adaptive_max_pool2d": _adaptive,
-    "mean": _mean,
-    **{v: _view for v in VIEWS},
-    # a layout conversion is the identity on logical (n, c, h, w) indices: each value's
-    # loads and stores follow its own layout
-    "to_layout": _view,
-    "reshape": _reshape,
-    "flatten": _reshape,
-    "conv2d": _conv2d_depthwise,
-}
-
-
-def loops_of(graph: Graph, node: Node) -> OpLoops:
-    """The loop semantics of ``node`` in ``graph``; raises :class:`NotFusable` (with the
-    reason) for ops or attribute combinations the generator does not handle."""
-    rule = RULES.get(node.op)
-    if rule is None:
-        raise NotFusable(f"op {node.op!r} has no loop semantics")
-    if len(node.outputs) != 1:
-        raise NotFusable(f"{node.op} has {len(node.outputs)} outputs")
-    out_t = graph.values[node.outputs[0]]
-    if out_t.dtype != "float32":
-        raise NotFusable(f"{out_t.dtype} values are not generated (float32 only)")
-    return rule(graph, node)

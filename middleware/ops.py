@@ -13,28 +13,18 @@ the framework's spellings of it).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from . import loops
+from .enums import Bound
 from .errors import UnsupportedError
-from .graph import Node, TensorType
-
-
-class Bound(str, enum.Enum):
-    """What limits a node: activation traffic, weight traffic, or arithmetic."""
-
-    IO = "io"
-    PARAM = "param"
-    COMPUTE = "compute"
-
-    def __str__(self) -> str:
-        return self.value
-
+from .graph import Graph, Node, TensorType, install_reference
+from .loops import Const, Expr, NotFusable, OpLoops, Pointwise, Rule, call, clamp
 
 # A bound implementation: takes the node's input tensors, returns a tensor (one output) or a
 # tuple of tensors (several outputs).
@@ -55,6 +45,24 @@ class OpDef:
     # FLOPs per output element for simple ops; ``flops_fn`` overrides.
     flops_per_elem: float = 1.0
     flops_fn: Callable[[Node, Sequence[TensorType], Sequence[TensorType]], float] | None = None
+    # The scalar semantics of an elementwise op of one input (an activation): its output
+    # element from its input element, over ``middleware.loops.FUNCTIONS``. Used for the op
+    # itself (``loops`` defaults to ``loops.unary(pointwise)``) and where it is fused as a
+    # post-op of another op (``activation_expr``).
+    pointwise: Pointwise | None = None
+    # The loop semantics for depth-first code generation (``loops_of``); None: the op is
+    # never generated.
+    loops: Rule | None = None
+    # Computes each sample of the batch (dimension 0) from that sample alone (batch
+    # slicing may run it on a slice of the batch); default: ``elementwise``.
+    # (None: the same as ``elementwise``; a registered entry always holds a bool)
+    per_sample: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.per_sample is None:
+            object.__setattr__(self, "per_sample", self.elementwise)
+        if self.loops is None and self.pointwise is not None:
+            object.__setattr__(self, "loops", loops.unary(self.pointwise))
 
     def bind(self, node: Node) -> Kernel:
         """The reference implementation specialised to ``node``'s attributes."""
@@ -83,6 +91,53 @@ def get_op(name: str) -> OpDef:
         raise UnsupportedError(
             f"op {name!r} is not in the catalogue; known ops: {', '.join(sorted(CATALOGUE))}"
         ) from None
+
+
+install_reference(lambda node: get_op(node.op).bind(node))  # Graph.evaluate's interpreter
+
+
+def activation_expr(name: str, attrs: Mapping[str, Any], x: Expr) -> Expr:
+    """The expression of activation ``name`` (an op of the registry) applied to ``x``;
+    raises :class:`~middleware.loops.NotFusable` when the op has no scalar semantics."""
+    op = CATALOGUE.get(name)
+    if op is None or op.pointwise is None:
+        raise NotFusable(f"activation {name!r} has no loop semantics")
+    return op.pointwise(attrs, x)
+
+
+def loops_of(graph: Graph, node: Node) -> OpLoops:
+    """The loop semantics of ``node`` in ``graph`` (its op's ``loops`` rule); raises
+    :class:`~middleware.loops.NotFusable` (with the reason) for ops or attribute
+    combinations the generator does not handle."""
+    op = CATALOGUE.get(node.op)
+    if op is None or op.loops is None:
+        raise NotFusable(f"op {node.op!r} has no loop semantics")
+    if len(node.outputs) != 1:
+        raise NotFusable(f"{node.op} has {len(node.outputs)} outputs")
+    out_t = graph.values[node.outputs[0]]
+    if out_t.dtype != "float32":
+        raise NotFusable(f"{out_t.dtype} values are not generated (float32 only)")
+    return op.loops(graph, node)
+
+
+def has_loops(name: str) -> bool:
+    """Op ``name`` has loop semantics (for some attributes and shapes: see ``loops_of``)."""
+    op = CATALOGUE.get(name)
+    return op is not None and op.loops is not None
+
+
+def _with_post_op(rule: Rule) -> Rule:
+    """``rule`` followed by the node's fused ``activation`` (``activation_attrs``), if any."""
+
+    def with_post_op(graph: Graph, node: Node) -> OpLoops:
+        sem = rule(graph, node)
+        name = node.attrs.get("activation")
+        if not name:
+            return sem
+        attrs = dict(node.attrs.get("activation_attrs", ()))
+        return dataclasses.replace(sem, expr=activation_expr(name, attrs, sem.expr))
+
+    return with_post_op
 
 
 _DTYPES = {
@@ -199,7 +254,17 @@ def _conv2d(node: Node) -> Kernel:
     return conv2d
 
 
-register(OpDef("conv2d", Bound.COMPUTE, _conv2d, flops_fn=conv_flops))
+# generated only when depthwise (a sum window), with its fused activation
+register(
+    OpDef(
+        "conv2d",
+        Bound.COMPUTE,
+        _conv2d,
+        flops_fn=conv_flops,
+        loops=_with_post_op(loops.depthwise_conv2d_loops),
+        per_sample=True,
+    )
+)
 
 
 def _linear(node: Node) -> Kernel:
@@ -237,7 +302,16 @@ def _batch_norm(node: Node) -> Kernel:
     return batch_norm
 
 
-register(OpDef("batch_norm", Bound.IO, _batch_norm, elementwise=True, flops_per_elem=2.0))
+register(
+    OpDef(
+        "batch_norm",
+        Bound.IO,
+        _batch_norm,
+        elementwise=True,
+        flops_per_elem=2.0,
+        loops=loops.batch_norm_loops,
+    )
+)
 
 
 # --------------------------------------------------------------------- activations
@@ -248,7 +322,15 @@ def _unary(fn: Callable[..., Any]) -> Callable[[Node], Kernel]:
     return make
 
 
-register(OpDef("relu", Bound.IO, _unary(torch.relu), elementwise=True, monotone=True))
+def _relu_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("max", x, Const(0.0))
+
+
+register(
+    OpDef(
+        "relu", Bound.IO, _unary(torch.relu), elementwise=True, monotone=True, pointwise=_relu_expr
+    )
+)
 
 
 def _hardtanh(node: Node) -> Kernel:
@@ -260,7 +342,20 @@ def _hardtanh(node: Node) -> Kernel:
     return hardtanh
 
 
-register(OpDef("hardtanh", Bound.IO, _hardtanh, elementwise=True, monotone=True))
+def _hardtanh_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return clamp(x, float(attrs["min_val"]), float(attrs["max_val"]))
+
+
+register(
+    OpDef(
+        "hardtanh",
+        Bound.IO,
+        _hardtanh,
+        elementwise=True,
+        monotone=True,
+        pointwise=_hardtanh_expr,
+    )
+)
 
 
 def _leaky_relu(node: Node) -> Kernel:
@@ -272,15 +367,52 @@ def _leaky_relu(node: Node) -> Kernel:
     return leaky_relu
 
 
+def _leaky_relu_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    s = float(attrs["negative_slope"])
+    return call("select", call("gt", x, Const(0.0)), x, call("mul", x, Const(s)))
+
+
 # monotone only for a non-negative slope; merge_pool_relu checks the slope
-register(OpDef("leaky_relu", Bound.IO, _leaky_relu, elementwise=True))
-register(OpDef("sigmoid", Bound.IO, _unary(torch.sigmoid), elementwise=True, flops_per_elem=4.0))
-register(OpDef("tanh", Bound.IO, _unary(torch.tanh), elementwise=True, flops_per_elem=4.0))
-register(OpDef("silu", Bound.IO, _unary(F.silu), elementwise=True, flops_per_elem=5.0))
-register(OpDef("hardswish", Bound.IO, _unary(F.hardswish), elementwise=True, flops_per_elem=4.0))
-register(
-    OpDef("hardsigmoid", Bound.IO, _unary(F.hardsigmoid), elementwise=True, flops_per_elem=3.0)
-)
+register(OpDef("leaky_relu", Bound.IO, _leaky_relu, elementwise=True, pointwise=_leaky_relu_expr))
+
+
+def _sigmoid_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("sigmoid", x)
+
+
+def _tanh_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("tanh", x)
+
+
+def _silu_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("mul", x, call("sigmoid", x))
+
+
+def _hardsigmoid_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("div", clamp(call("add", x, Const(3.0)), 0.0, 6.0), Const(6.0))
+
+
+def _hardswish_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("mul", x, _hardsigmoid_expr(attrs, x))
+
+
+for _name, _fn, _flops, _expr in (
+    ("sigmoid", torch.sigmoid, 4.0, _sigmoid_expr),
+    ("tanh", torch.tanh, 4.0, _tanh_expr),
+    ("silu", F.silu, 5.0, _silu_expr),
+    ("hardswish", F.hardswish, 4.0, _hardswish_expr),
+    ("hardsigmoid", F.hardsigmoid, 3.0, _hardsigmoid_expr),
+):
+    register(
+        OpDef(
+            _name,
+            Bound.IO,
+            _unary(_fn),
+            elementwise=True,
+            flops_per_elem=_flops,
+            pointwise=_expr,
+        )
+    )
 
 
 def _gelu(node: Node) -> Kernel:
@@ -292,7 +424,22 @@ def _gelu(node: Node) -> Kernel:
     return gelu
 
 
-register(OpDef("gelu", Bound.IO, _gelu, elementwise=True, flops_per_elem=8.0))
+def _gelu_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    if attrs.get("approximate", "none") == "tanh":
+        inner = call(
+            "mul",
+            Const(math.sqrt(2.0 / math.pi)),
+            call("add", x, call("mul", Const(0.044715), call("mul", x, call("mul", x, x)))),
+        )
+        return call("mul", call("mul", Const(0.5), x), call("add", Const(1.0), call("tanh", inner)))
+    return call(
+        "mul",
+        call("mul", Const(0.5), x),
+        call("add", Const(1.0), call("erf", call("mul", x, Const(1.0 / math.sqrt(2.0))))),
+    )
+
+
+register(OpDef("gelu", Bound.IO, _gelu, elementwise=True, flops_per_elem=8.0, pointwise=_gelu_expr))
 
 
 def _softmax(node: Node) -> Kernel:
@@ -313,8 +460,8 @@ def _log_softmax(node: Node) -> Kernel:
     return log_softmax
 
 
-register(OpDef("softmax", Bound.IO, _softmax, flops_per_elem=5.0))
-register(OpDef("log_softmax", Bound.IO, _log_softmax, flops_per_elem=5.0))
+register(OpDef("softmax", Bound.IO, _softmax, flops_per_elem=5.0, per_sample=True))
+register(OpDef("log_softmax", Bound.IO, _log_softmax, flops_per_elem=5.0, per_sample=True))
 
 
 # ------------------------------------------------------------------------- pooling
@@ -333,7 +480,16 @@ def _max_pool2d(node: Node) -> Kernel:
     return max_pool2d
 
 
-register(OpDef("max_pool2d", Bound.IO, _max_pool2d, flops_fn=pool_flops))
+register(
+    OpDef(
+        "max_pool2d",
+        Bound.IO,
+        _max_pool2d,
+        flops_fn=pool_flops,
+        loops=loops.max_pool_loops,
+        per_sample=True,
+    )
+)
 
 
 def _avg_pool2d(node: Node) -> Kernel:
@@ -352,7 +508,16 @@ def _avg_pool2d(node: Node) -> Kernel:
     return avg_pool2d
 
 
-register(OpDef("avg_pool2d", Bound.IO, _avg_pool2d, flops_fn=pool_flops))
+register(
+    OpDef(
+        "avg_pool2d",
+        Bound.IO,
+        _avg_pool2d,
+        flops_fn=pool_flops,
+        loops=loops.avg_pool_loops,
+        per_sample=True,
+    )
+)
 
 
 def _adaptive_avg_pool2d(node: Node) -> Kernel:
@@ -373,8 +538,20 @@ def _adaptive_max_pool2d(node: Node) -> Kernel:
     return adaptive_max_pool2d
 
 
-register(OpDef("adaptive_avg_pool2d", Bound.IO, _adaptive_avg_pool2d, flops_fn=pool_flops))
-register(OpDef("adaptive_max_pool2d", Bound.IO, _adaptive_max_pool2d, flops_fn=pool_flops))
+for _name, _make in (
+    ("adaptive_avg_pool2d", _adaptive_avg_pool2d),
+    ("adaptive_max_pool2d", _adaptive_max_pool2d),
+):
+    register(
+        OpDef(
+            _name,
+            Bound.IO,
+            _make,
+            flops_fn=pool_flops,
+            loops=loops.adaptive_pool_loops,
+            per_sample=True,
+        )
+    )
 
 
 def activation_fn(name: str, attrs: dict[str, Any]) -> Callable[[Any], Any]:
@@ -395,7 +572,16 @@ def _maxpool_act(node: Node) -> Kernel:
 
 # merged max-pool + monotone activation (the passes' merge_pool_relu); attrs of max_pool2d
 # plus ``activation`` (an op name) and ``activation_attrs`` (a tuple of (key, value) pairs)
-register(OpDef("maxpool_relu", Bound.IO, _maxpool_act, flops_fn=pool_flops))
+register(
+    OpDef(
+        "maxpool_relu",
+        Bound.IO,
+        _maxpool_act,
+        flops_fn=pool_flops,
+        loops=_with_post_op(loops.max_pool_loops),
+        per_sample=True,
+    )
+)
 
 
 def _mean(node: Node) -> Kernel:
@@ -407,7 +593,9 @@ def _mean(node: Node) -> Kernel:
     return mean
 
 
-register(OpDef("mean", Bound.IO, _mean, flops_fn=reduce_flops))
+register(
+    OpDef("mean", Bound.IO, _mean, flops_fn=reduce_flops, loops=loops.mean_loops, per_sample=True)
+)
 
 
 # ---------------------------------------------------------------------- arithmetic
@@ -442,10 +630,15 @@ def _binary(fn: Callable[..., Any], has_alpha: bool = False) -> Callable[[Node],
     return make
 
 
-register(OpDef("add", Bound.IO, _binary(torch.add, True), elementwise=True))
-register(OpDef("sub", Bound.IO, _binary(torch.sub, True), elementwise=True))
-register(OpDef("mul", Bound.IO, _binary(torch.mul), elementwise=True))
-register(OpDef("div", Bound.IO, _binary(torch.div), elementwise=True))
+for _name, _fn, _alpha in (
+    ("add", torch.add, True),
+    ("sub", torch.sub, True),
+    ("mul", torch.mul, False),
+    ("div", torch.div, False),
+):
+    register(
+        OpDef(_name, Bound.IO, _binary(_fn, _alpha), elementwise=True, loops=loops.binary_loops)
+    )
 
 
 # -------------------------------------------------------------- data movement / views
@@ -458,7 +651,7 @@ def _cat(node: Node) -> Kernel:
     return cat
 
 
-register(OpDef("cat", Bound.IO, _cat, flops_per_elem=0.0))
+register(OpDef("cat", Bound.IO, _cat, flops_per_elem=0.0, loops=loops.cat_loops, per_sample=True))
 
 
 def _flatten(node: Node) -> Kernel:
@@ -470,7 +663,17 @@ def _flatten(node: Node) -> Kernel:
     return flatten
 
 
-register(OpDef("flatten", Bound.IO, _flatten, view_like=True, flops_per_elem=0.0))
+register(
+    OpDef(
+        "flatten",
+        Bound.IO,
+        _flatten,
+        view_like=True,
+        flops_per_elem=0.0,
+        loops=loops.reshape_loops,
+        per_sample=True,
+    )
+)
 
 
 def _reshape(node: Node) -> Kernel:
@@ -482,7 +685,17 @@ def _reshape(node: Node) -> Kernel:
     return reshape
 
 
-register(OpDef("reshape", Bound.IO, _reshape, view_like=True, flops_per_elem=0.0))
+register(
+    OpDef(
+        "reshape",
+        Bound.IO,
+        _reshape,
+        view_like=True,
+        flops_per_elem=0.0,
+        loops=loops.reshape_loops,
+        per_sample=True,
+    )
+)
 
 
 def _permute(node: Node) -> Kernel:
@@ -494,7 +707,7 @@ def _permute(node: Node) -> Kernel:
     return permute
 
 
-register(OpDef("permute", Bound.IO, _permute, view_like=True, flops_per_elem=0.0))
+register(OpDef("permute", Bound.IO, _permute, view_like=True, flops_per_elem=0.0, per_sample=True))
 
 
 def _contiguous(node: Node) -> Kernel:
@@ -504,7 +717,17 @@ def _contiguous(node: Node) -> Kernel:
     return contiguous
 
 
-register(OpDef("contiguous", Bound.IO, _contiguous, view_like=True, flops_per_elem=0.0))
+register(
+    OpDef(
+        "contiguous",
+        Bound.IO,
+        _contiguous,
+        view_like=True,
+        flops_per_elem=0.0,
+        loops=loops.view_loops,
+        per_sample=True,
+    )
+)
 
 
 def _split(node: Node) -> Kernel:
@@ -519,7 +742,7 @@ def _split(node: Node) -> Kernel:
     return split
 
 
-register(OpDef("split", Bound.IO, _split, view_like=True, flops_per_elem=0.0))
+register(OpDef("split", Bound.IO, _split, view_like=True, flops_per_elem=0.0, per_sample=True))
 
 
 def _identity(node: Node) -> Kernel:
@@ -529,9 +752,19 @@ def _identity(node: Node) -> Kernel:
     return identity
 
 
-register(OpDef("identity", Bound.IO, _identity, view_like=True, flops_per_elem=0.0))
 # dropout in inference is the identity; kept as its own op so reports name it
-register(OpDef("dropout", Bound.IO, _identity, view_like=True, flops_per_elem=0.0))
+for _name in ("identity", "dropout"):
+    register(
+        OpDef(
+            _name,
+            Bound.IO,
+            _identity,
+            view_like=True,
+            flops_per_elem=0.0,
+            loops=loops.view_loops,
+            per_sample=True,
+        )
+    )
 
 
 def _to_layout(node: Node) -> Kernel:
@@ -558,8 +791,18 @@ def _to_layout(node: Node) -> Kernel:
     return to_layout
 
 
-# a change of memory order only: output element i is input element i
-register(OpDef("to_layout", Bound.IO, _to_layout, elementwise=True, flops_per_elem=0.0))
+# a change of memory order only: output element i is input element i; on logical
+# (n, c, h, w) indices the identity (each value's loads and stores follow its own layout)
+register(
+    OpDef(
+        "to_layout",
+        Bound.IO,
+        _to_layout,
+        elementwise=True,
+        flops_per_elem=0.0,
+        loops=loops.view_loops,
+    )
+)
 
 
 # ----------------------------------------------------------------------- fallback
@@ -610,15 +853,3 @@ def _fallback(node: Node) -> Kernel:
 
 # runs the original framework callable (module, function or method) unchanged
 register(OpDef("fallback", Bound.IO, _fallback, flops_fn=lambda n, i, o: 0.0))
-
-
-def window_out_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
-    """Output length of a pooling window along one axis (the framework's rule)."""
-    eff = d * (k - 1) + 1
-    if ceil_mode:
-        out = math.ceil((size + 2 * p - eff) / s) + 1
-        if (out - 1) * s >= size + p:
-            out -= 1
-    else:
-        out = (size + 2 * p - eff) // s + 1
-    return out

@@ -126,12 +126,11 @@ def test_render_cuda_takes_the_shared_schedule():
 
 
 def test_every_op_the_x86_backend_fuses_has_a_cuda_element_function():
-    """The CUDA backend renders whatever the shared loop semantics let x86 fuse (skipped
-    until middleware/loops.py is in the tree)."""
-    loops = pytest.importorskip("middleware.loops")
+    """The CUDA backend renders whatever the shared loop semantics let x86 fuse."""
     from middleware.backends.cuda.elements import supported_ops
+    from middleware.ops import CATALOGUE, has_loops
 
-    assert set(loops.RULES) <= set(supported_ops())
+    assert {n for n in CATALOGUE if has_loops(n)} <= set(supported_ops())
 
 
 def test_stacked_windows_are_refused_past_the_recompute_limit():

@@ -11,7 +11,7 @@ from fusion_helpers import avgpool, bn, build_chain, check_group, maxpool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from middleware.ops import window_out_size
+from middleware.loops import window_out_size
 
 POINTWISE = [
     lambda d: bn(),

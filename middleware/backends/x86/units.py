@@ -21,8 +21,8 @@ import torch
 from ...errors import CompileError
 from ...graph import Graph
 from ...hardware import Hardware
-from ...loops import RULES, VIEWS, NotFusable, loops_of
-from ...ops import get_op
+from ...loops import NotFusable
+from ...ops import get_op, has_loops, loops_of
 from ...options import Options
 from ...runtime.plan import Unit
 from .backend import GeneratedKernel, X86Backend
@@ -46,7 +46,7 @@ def io_groups(graph: Graph) -> list[list[str]]:
     out: list[list[str]] = []
     run: list[str] = []
     for n in nodes:
-        io = str(get_op(n.op).bound) == "io" and n.op in RULES and len(n.outputs) == 1
+        io = str(get_op(n.op).bound) == "io" and has_loops(n.op) and len(n.outputs) == 1
         if io and run and graph.node(run[-1]).outputs[0] in n.inputs:
             run.append(n.name)
             continue
@@ -62,7 +62,7 @@ def _has_loops(graph: Graph, name: str) -> bool:
     """The node has loop semantics for these attributes and shapes (a dense convolution
     classified io, say, has none: it splits its group)."""
     node = graph.node(name)
-    if node.op not in RULES:
+    if not has_loops(node.op):
         return False
     try:
         loops_of(graph, node)
@@ -108,7 +108,7 @@ def _left_out(graph: Graph, name: str, refused: str) -> str:
     if _vendor_faster(graph, name):
         return "oneDNN through the framework, measured faster than a generated kernel"
     node = graph.node(name)
-    if node.op not in RULES:
+    if not has_loops(node.op):
         return f"op {node.op} has no loop semantics"
     try:
         loops_of(graph, node)
@@ -136,7 +136,7 @@ def _split_at_escapes(graph: Graph, group: Sequence[str], names: Sequence[str]) 
 
 def _worth_it(graph: Graph, names: Sequence[str]) -> bool:
     """A group of views only is left to the framework (a view costs nothing there)."""
-    return any(graph.node(n).op not in VIEWS for n in names)
+    return any(not get_op(graph.node(n).op).view_like for n in names)
 
 
 def _build(

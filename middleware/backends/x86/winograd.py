@@ -40,7 +40,8 @@ import torch
 from ...errors import CompileError
 from ...graph import Graph, Node
 from ...hardware import Hardware
-from ...loops import Acc, NotFusable, activation_expr
+from ...loops import Acc, NotFusable
+from ...ops import activation_expr
 from ...options import Options
 from ..cache import kernel_cache
 from .build import c_build_request, load_shared
