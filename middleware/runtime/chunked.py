@@ -38,28 +38,9 @@ from .memory import _empty
 from .plan import Plan
 
 # Ops that treat each sample of the batch (dimension 0) on its own, given the attribute
-# checks of ``_per_sample``: every elementwise op of the catalogue (activations,
-# batch-norm, arithmetic, to_layout) and the ones below; a prefix holds nothing else (a
-# fallback may mix the batch).
-PER_SAMPLE_OPS = frozenset(name for name, op in CATALOGUE.items() if op.elementwise) | {
-    "conv2d",
-    "max_pool2d",
-    "avg_pool2d",
-    "adaptive_avg_pool2d",
-    "adaptive_max_pool2d",
-    "maxpool_relu",
-    "mean",
-    "softmax",
-    "log_softmax",
-    "cat",
-    "split",
-    "flatten",
-    "reshape",
-    "permute",
-    "contiguous",
-    "identity",
-    "dropout",
-}
+# checks of ``_per_sample``: the registry's ``per_sample`` entries; a prefix holds nothing
+# else (a fallback may mix the batch).
+PER_SAMPLE_OPS = frozenset(name for name, op in CATALOGUE.items() if op.per_sample)
 
 # Auto mode chunks only where the estimate saves at least this share of the peak and this
 # many bytes: below that the extra plan is not worth its calls.
