@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+from .backends.interface import Unit, node_step
 from .backends.x86.vendor import vendor_kernel
 from .frontends import trace
 from .graph import Graph
@@ -17,7 +18,7 @@ from .options import Options
 from .passes import run_passes
 from .runtime.chunked import ChunkedPlan, Cut, choose_cut, split_graph
 from .runtime.module import Compiled
-from .runtime.plan import Plan, Unit, build_plan, node_step
+from .runtime.plan import Plan, build_plan
 from .runtime.report import Report, ReportRow, group_rows, hardware_note, node_cost
 
 

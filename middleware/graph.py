@@ -10,11 +10,13 @@ lives in a graph except the opaque callable of a fallback node.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import networkx as nx
 import numpy as np
+
+from .enums import Bound
 
 LAYOUTS = ("nchw", "nhwc")
 
@@ -60,8 +62,9 @@ class TensorType:
 class Node:
     """One operation: a catalogue op applied to input values, producing output values.
 
-    ``attrs`` holds plain Python values (ints, floats, tuples, strings). ``bound`` and
-    ``group`` are filled in by the classify and group passes. ``source`` names the layer
+    ``attrs`` holds plain Python values (ints, floats, tuples, strings). ``bound`` (a
+    :class:`~middleware.enums.Bound`; a string such as "io" is converted) and ``group`` are
+    filled in by the classify and group passes. ``source`` names the layer
     of the original model the node came from (for reports and generated code).
     ``payload`` is only used by fallback nodes: the original framework callable.
     """
@@ -71,10 +74,14 @@ class Node:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     attrs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    bound: str | None = None
+    bound: Bound | None = None
     group: int | None = None
     source: str = ""
     payload: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.bound is not None and not isinstance(self.bound, Bound):
+            object.__setattr__(self, "bound", Bound(self.bound))
 
     def replace(self, **changes: Any) -> Node:
         return dataclasses.replace(self, **changes)
@@ -284,10 +291,10 @@ class Graph:
 
         This is the reference interpreter used to test passes and kernels.
         """
-        import torch
+        import torch  # the graph itself holds no framework object
 
-        from .ops import get_op  # the catalogue needs the framework; imported lazily
-
+        if _reference is None:
+            raise RuntimeError("no op catalogue installed: import middleware.ops first")
         if len(inputs) != len(self.inputs):
             raise ValueError(f"graph takes {len(self.inputs)} inputs, got {len(inputs)}")
         device = inputs[0].device if inputs else torch.device("cpu")
@@ -295,7 +302,7 @@ class Graph:
         for p, arr in self.params.items():
             env[p] = torch.from_numpy(np.ascontiguousarray(arr)).to(device)
         for n in self.nodes():
-            fn = get_op(n.op).bind(n)
+            fn = _reference(n)
             out = fn(*[env[v] for v in n.inputs])
             if len(n.outputs) == 1:
                 env[n.outputs[0]] = out
@@ -303,6 +310,19 @@ class Graph:
                 for v, o in zip(n.outputs, out, strict=True):
                     env[v] = o
         return map_tree(self.output_tree, env.__getitem__)
+
+
+# How a node's reference implementation is bound (``ops.OpDef.bind``). The op catalogue
+# sits above this module (its shape and loop rules read graphs) and installs it when it is
+# imported, so that :meth:`Graph.evaluate` needs no import of the catalogue here.
+_reference: Callable[[Node], Callable[..., Any]] | None = None
+
+
+def install_reference(bind: Callable[[Node], Callable[..., Any]]) -> None:
+    """Set how :meth:`Graph.evaluate` binds a node to its reference implementation (the op
+    catalogue calls this once, on import)."""
+    global _reference
+    _reference = bind
 
 
 def flatten_tree(tree: Any) -> Iterator[str]:

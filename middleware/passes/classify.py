@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..enums import Bound
 from ..graph import Graph, Node
 from ..hardware import Hardware
-from ..ops import Bound, get_op
+from ..ops import get_op
 
 # How far (a factor) the balance is uncertain: measurements of one machine differ by up to
 # ~2x under load, and between runs the median still moves by 10-20%.
@@ -123,7 +124,7 @@ def classify(graph: Graph, hardware: Hardware) -> Graph:
         else:
             b = node_bound(graph, n, hardware.balance)
         bound_of[n.name] = b
-        out.replace_node(n.name, n.replace(bound=str(b)))
+        out.replace_node(n.name, n.replace(bound=b))
     return out
 
 

@@ -17,11 +17,12 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..graph import Graph, Node, map_tree
-from ..ops import get_op
+from ..backends.interface import Unit, node_unit, to_tensor
+from ..enums import RunsAs
+from ..graph import Graph, map_tree
+from .memory import plan_memory as make_memory_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,29 +30,13 @@ class Step:
     """One call of the plan: ``fn(*slots[ins])`` writes ``slots[outs]``."""
 
     name: str
-    runs_as: str  # "vendor" | "generated" | "fallback"
+    runs_as: RunsAs
     fn: Callable[..., Any]
     ins: tuple[int, ...]
     outs: tuple[int, ...]
     nodes: tuple[str, ...]
     frees: tuple[int, ...] = ()
     reason: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Unit:
-    """What the compiler hands the plan builder: one call and the values it reads and writes."""
-
-    name: str
-    runs_as: str
-    fn: Callable[..., Any]
-    inputs: Sequence[str]
-    outputs: Sequence[str]
-    nodes: Sequence[str]
-    reason: str = ""
-    # Destination-passing form, when the unit has one: ``out_fn(*inputs, *outputs)`` writes
-    # into preallocated output tensors (generated kernels have it; the memory planner uses it).
-    out_fn: Callable[..., None] | None = None
 
 
 class Plan:
@@ -194,27 +179,6 @@ class Plan:
         return map_tree(self._out_tree, lambda name: env[slot_of[name]])
 
 
-def to_tensor(array: np.ndarray, device: torch.device, layout: str = "nchw") -> torch.Tensor:
-    """A graph constant as a framework tensor on ``device`` (the runtime's one conversion)."""
-    t = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cpu":
-        t = t.to(device)
-    if layout == "nhwc" and t.dim() == 4:
-        t = t.contiguous(memory_format=torch.channels_last)
-    return t
-
-
-def node_step(
-    graph: Graph, node: Node, device: torch.device
-) -> tuple[str, Callable[..., Any], str]:
-    """The default way to run one node: its catalogue implementation through the framework."""
-    op = get_op(node.op)
-    if node.op == "fallback":
-        fn = op.bind(node)
-        return "fallback", fn, str(node.attrs.get("reason", ""))
-    return "vendor", op.bind(node), ""
-
-
 def build_plan(
     graph: Graph,
     device: torch.device,
@@ -242,10 +206,7 @@ def build_plan(
     for p, arr in graph.params.items():
         constants[slot(p)] = to_tensor(arr, device, graph.values[p].layout)
     if units is None:
-        units = []
-        for n in graph.nodes():
-            runs_as, fn, reason = node_step(graph, n, device)
-            units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
+        units = [node_unit(graph, n, device) for n in graph.nodes()]
     # liveness: the last unit that reads each slot frees it (never inputs, params, outputs)
     keep = (set(graph.inputs) - set(owned)) | set(graph.params) | set(graph.output_values())
     last_use: dict[str, int] = {}
@@ -278,8 +239,6 @@ def build_plan(
     plan = Plan(graph, steps, slot_of, constants)
     plan.consumes_inputs = bool(owned)
     if plan_memory:
-        from .memory import plan_memory as make_memory_plan
-
         try:
             planned = make_memory_plan(graph, units, device, owned, check=check_memory)
             plan.use_memory_plan(planned)

@@ -21,7 +21,7 @@ from ...graph import Graph, Node
 from ...hardware import Hardware
 from ...ops import Bound, get_op
 from ...options import Options
-from ...runtime.plan import Unit, node_step, to_tensor
+from ..interface import Unit, node_step, to_tensor
 from .build import build_many, cubin_request, emulation_request
 from .elements import EMITTERS, why_unsupported
 from .emulate import EmulatedLauncher, emulated_launcher

@@ -24,7 +24,7 @@ from ...hardware import Hardware
 from ...loops import NotFusable
 from ...ops import get_op, has_loops, loops_of
 from ...options import Options
-from ...runtime.plan import Unit
+from ..interface import Unit
 from .backend import GeneratedKernel, X86Backend
 from .vendor import ONEDNN_DTYPES
 

@@ -1,0 +1,116 @@
+"""What every backend answers, and the records it hands the runtime.
+
+The pipeline (``middleware/pipeline.py``) asks the registry (``backends/__init__.py``) for
+the backend of the plan's device and calls, in order: :meth:`Backend.lower` (device
+rewrites of the passed graph), :meth:`Backend.units` (one :class:`Unit` per call of the
+plan: generated kernels for io groups, vendor calls, framework calls, fallbacks) and, once
+the runtime has built the plan from the units, :meth:`Backend.finish` (e.g. CUDA-graph
+capture). :meth:`Backend.can_run` says which groups a backend generates code for, with the
+reason when it does not.
+
+:class:`Unit` and the helpers below are the contract between the backends and the runtime:
+they live here, below the runtime, so that no backend imports a stage above it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from ..enums import RunsAs
+from ..graph import Graph, Node
+from ..hardware import Hardware
+from ..ops import get_op
+from ..options import Options
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """What a backend hands the plan builder: one call and the values it reads and writes."""
+
+    name: str
+    runs_as: RunsAs
+    fn: Callable[..., Any]
+    inputs: Sequence[str]
+    outputs: Sequence[str]
+    nodes: Sequence[str]
+    reason: str = ""
+    # Destination-passing form, when the unit has one: ``out_fn(*inputs, *outputs)`` writes
+    # into preallocated output tensors (generated kernels have it; the memory planner uses it).
+    out_fn: Callable[..., None] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.runs_as, RunsAs):
+            object.__setattr__(self, "runs_as", RunsAs(self.runs_as))
+
+
+def to_tensor(array: np.ndarray, device: torch.device, layout: str = "nchw") -> torch.Tensor:
+    """A graph constant as a framework tensor on ``device`` (the one conversion of constants)."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cpu":
+        t = t.to(device)
+    if layout == "nhwc" and t.dim() == 4:
+        t = t.contiguous(memory_format=torch.channels_last)
+    return t
+
+
+def node_step(
+    graph: Graph, node: Node, device: torch.device
+) -> tuple[RunsAs, Callable[..., Any], str]:
+    """The default way to run one node: its catalogue implementation through the framework
+    (a fallback node: the original callable, with the frontend's reason)."""
+    op = get_op(node.op)
+    if node.op == "fallback":
+        return RunsAs.FALLBACK, op.bind(node), str(node.attrs.get("reason", ""))
+    return RunsAs.VENDOR, op.bind(node), ""
+
+
+def node_unit(graph: Graph, node: Node, device: torch.device) -> Unit:
+    """:func:`node_step` as the node's own unit."""
+    runs_as, fn, reason = node_step(graph, node, device)
+    return Unit(node.name, runs_as, fn, node.inputs, node.outputs, (node.name,), reason)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One way to run a graph on one kind of device.
+
+    ``name``: the registry key ("x86", "ispc", "cuda", ...). ``device_type``: the
+    ``torch.device`` type it runs on ("cpu", "cuda"). ``slices_batch``: whether
+    ``Options(batch_chunk="auto")`` may run a network's prefix over slices of the batch
+    on this device (the batch-slicing pass asks; a number of samples always slices).
+    """
+
+    name: str
+    device_type: str
+    slices_batch: bool
+
+    def can_run(
+        self,
+        graph: Graph,
+        nodes: Sequence[str],
+        hardware: Hardware,
+        options: Options | None = None,
+    ) -> tuple[bool, str]:
+        """Whether this backend generates one kernel for the group ``nodes``; when not,
+        the reason."""
+        ...
+
+    def lower(self, graph: Graph, options: Options) -> Graph:
+        """The device's own rewrites of a passed graph (identity where there are none)."""
+        ...
+
+    def units(
+        self, graph: Graph, options: Options, hardware: Hardware, device: torch.device
+    ) -> list[Unit]:
+        """The plan's units for ``graph`` (lowered), in a valid execution order."""
+        ...
+
+    def finish(self, plan: Any, options: Options, inputs: Sequence[torch.Tensor] | None) -> Any:
+        """The plan as it runs on the device (e.g. wrapped for CUDA-graph replay and
+        captured on ``inputs``); ``plan`` itself where there is nothing to add."""
+        ...
