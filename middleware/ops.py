@@ -32,14 +32,38 @@ Kernel = Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
+class VendorPostOp:
+    """How the vendor library spells an activation as a post-op fused into a convolution's
+    or linear layer's call (oneDNN's eltwise post-ops through ``torch.ops.mkldnn``): its
+    name, the activation attrs that become its scalars (in order), the attr that becomes its
+    "algorithm" string (gelu's ``approximate``) with the values it takes, and whether oneDNN
+    takes it after a binary (residual add) post-op (measured on torch 2.14: relu only;
+    every other one raises "Unary Fusion behavior undefined")."""
+
+    onednn: str
+    scalar_keys: tuple[str, ...] = ()
+    algorithm_key: str | None = None
+    algorithms: tuple[str, ...] = ()
+    after_binary: bool = False
+
+    def takes(self, attrs: Mapping[str, Any]) -> bool:
+        """The post-op can spell the activation with these attrs."""
+        if self.algorithm_key is None:
+            return True
+        return attrs.get(self.algorithm_key, self.algorithms[0]) in self.algorithms
+
+
+@dataclasses.dataclass(frozen=True)
 class OpDef:
     name: str
     bound: Bound
     make: Callable[[Node], Kernel]
     # Elementwise over its (broadcast) inputs: output element i reads input element i.
     elementwise: bool = False
-    # A monotone non-decreasing activation (commutes with max-pooling).
+    # A monotone non-decreasing activation (commutes with max-pooling); ``monotone_if``:
+    # only for attrs it accepts (see ``is_monotone``).
     monotone: bool = False
+    monotone_if: Callable[[Mapping[str, Any]], bool] | None = None
     # Does not compute anything (reshape-like, identity); may alias its input.
     view_like: bool = False
     # FLOPs per output element for simple ops; ``flops_fn`` overrides.
@@ -57,12 +81,24 @@ class OpDef:
     # slicing may run it on a slice of the batch); default: ``elementwise``.
     # (None: the same as ``elementwise``; a registered entry always holds a bool)
     per_sample: bool | None = None
+    # Attr values the framework's spelling defaults (filled in where a pass or a vendor call
+    # may meet the op's attrs without them, e.g. a fused activation's).
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # An activation's form that overwrites its one argument and returns it (ATen's in-place
+    # call), given the attrs; it may return a new tensor where ATen has no in-place form.
+    inplace: Callable[[Mapping[str, Any]], Kernel] | None = None
+    # An activation's spelling as a vendor post-op (fuse_vendor_epilogue, vendor calls).
+    post_op: VendorPostOp | None = None
 
     def __post_init__(self) -> None:
         if self.per_sample is None:
             object.__setattr__(self, "per_sample", self.elementwise)
         if self.loops is None and self.pointwise is not None:
             object.__setattr__(self, "loops", loops.unary(self.pointwise))
+
+    def is_monotone(self, attrs: Mapping[str, Any]) -> bool:
+        """Monotone non-decreasing for these attrs (commutes with a max)."""
+        return self.monotone and (self.monotone_if is None or self.monotone_if(attrs))
 
     def bind(self, node: Node) -> Kernel:
         """The reference implementation specialised to ``node``'s attributes."""
@@ -326,9 +362,20 @@ def _relu_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
     return call("max", x, Const(0.0))
 
 
+def _relu_(attrs: Mapping[str, Any]) -> Kernel:
+    return torch.relu_
+
+
 register(
     OpDef(
-        "relu", Bound.IO, _unary(torch.relu), elementwise=True, monotone=True, pointwise=_relu_expr
+        "relu",
+        Bound.IO,
+        _unary(torch.relu),
+        elementwise=True,
+        monotone=True,
+        pointwise=_relu_expr,
+        inplace=_relu_,
+        post_op=VendorPostOp("relu", after_binary=True),
     )
 )
 
@@ -346,6 +393,16 @@ def _hardtanh_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
     return clamp(x, float(attrs["min_val"]), float(attrs["max_val"]))
 
 
+def _hardtanh_(attrs: Mapping[str, Any]) -> Kernel:
+    lo, hi = float(attrs["min_val"]), float(attrs["max_val"])
+
+    def hardtanh_(x: torch.Tensor) -> torch.Tensor:
+        return F.hardtanh(x, lo, hi, inplace=True)
+
+    return hardtanh_
+
+
+# (relu6 is hardtanh(0, 6)); monotone unless min_val > max_val (a constant then)
 register(
     OpDef(
         "hardtanh",
@@ -353,7 +410,11 @@ register(
         _hardtanh,
         elementwise=True,
         monotone=True,
+        monotone_if=lambda a: float(a["min_val"]) <= float(a["max_val"]),
         pointwise=_hardtanh_expr,
+        defaults={"min_val": -1.0, "max_val": 1.0},
+        inplace=_hardtanh_,
+        post_op=VendorPostOp("hardtanh", ("min_val", "max_val")),
     )
 )
 
@@ -372,8 +433,31 @@ def _leaky_relu_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
     return call("select", call("gt", x, Const(0.0)), x, call("mul", x, Const(s)))
 
 
-# monotone only for a non-negative slope; merge_pool_relu checks the slope
-register(OpDef("leaky_relu", Bound.IO, _leaky_relu, elementwise=True, pointwise=_leaky_relu_expr))
+def _leaky_relu_(attrs: Mapping[str, Any]) -> Kernel:
+    slope = float(attrs["negative_slope"])
+
+    def leaky_relu_(x: torch.Tensor) -> torch.Tensor:
+        return F.leaky_relu(x, slope, inplace=True)
+
+    return leaky_relu_
+
+
+# monotone only for a positive slope: a slope of 0 maps -inf to NaN (-inf * 0), which a max
+# over the window's other elements would hide (merge_pool_relu)
+register(
+    OpDef(
+        "leaky_relu",
+        Bound.IO,
+        _leaky_relu,
+        elementwise=True,
+        monotone=True,
+        monotone_if=lambda a: float(a["negative_slope"]) > 0.0,
+        pointwise=_leaky_relu_expr,
+        defaults={"negative_slope": 0.01},
+        inplace=_leaky_relu_,
+        post_op=VendorPostOp("leaky_relu", ("negative_slope",)),
+    )
+)
 
 
 def _sigmoid_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
@@ -396,12 +480,40 @@ def _hardswish_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
     return call("mul", x, _hardsigmoid_expr(attrs, x))
 
 
-for _name, _fn, _flops, _expr in (
-    ("sigmoid", torch.sigmoid, 4.0, _sigmoid_expr),
-    ("tanh", torch.tanh, 4.0, _tanh_expr),
-    ("silu", F.silu, 5.0, _silu_expr),
-    ("hardswish", F.hardswish, 4.0, _hardswish_expr),
-    ("hardsigmoid", F.hardsigmoid, 3.0, _hardsigmoid_expr),
+def _inplace_of(fn: Kernel) -> Callable[[Mapping[str, Any]], Kernel]:
+    def make(attrs: Mapping[str, Any]) -> Kernel:
+        return fn
+
+    return make
+
+
+def _sigmoid_(x: torch.Tensor) -> torch.Tensor:
+    return x.sigmoid_()
+
+
+def _tanh_(x: torch.Tensor) -> torch.Tensor:
+    return x.tanh_()
+
+
+def _silu_(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x, inplace=True)
+
+
+def _hardswish_(x: torch.Tensor) -> torch.Tensor:
+    return F.hardswish(x, inplace=True)
+
+
+def _hardsigmoid_(x: torch.Tensor) -> torch.Tensor:
+    return F.hardsigmoid(x, inplace=True)
+
+
+# (name, reference, FLOPs per element, scalar semantics, in-place form, oneDNN post-op)
+for _name, _fn, _flops, _expr, _inplace, _onednn in (
+    ("sigmoid", torch.sigmoid, 4.0, _sigmoid_expr, _sigmoid_, "sigmoid"),
+    ("tanh", torch.tanh, 4.0, _tanh_expr, _tanh_, "tanh"),
+    ("silu", F.silu, 5.0, _silu_expr, _silu_, "swish"),
+    ("hardswish", F.hardswish, 4.0, _hardswish_expr, _hardswish_, "hardswish"),
+    ("hardsigmoid", F.hardsigmoid, 3.0, _hardsigmoid_expr, _hardsigmoid_, "hardsigmoid"),
 ):
     register(
         OpDef(
@@ -411,6 +523,8 @@ for _name, _fn, _flops, _expr in (
             elementwise=True,
             flops_per_elem=_flops,
             pointwise=_expr,
+            inplace=_inplace_of(_inplace),
+            post_op=VendorPostOp(_onednn),
         )
     )
 
@@ -439,7 +553,28 @@ def _gelu_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
     )
 
 
-register(OpDef("gelu", Bound.IO, _gelu, elementwise=True, flops_per_elem=8.0, pointwise=_gelu_expr))
+def _gelu_out_of_place(attrs: Mapping[str, Any]) -> Kernel:
+    approximate = str(attrs["approximate"])
+
+    def gelu(x: torch.Tensor) -> torch.Tensor:  # ATen has no in-place gelu
+        return F.gelu(x, approximate=approximate)
+
+    return gelu
+
+
+register(
+    OpDef(
+        "gelu",
+        Bound.IO,
+        _gelu,
+        elementwise=True,
+        flops_per_elem=8.0,
+        pointwise=_gelu_expr,
+        defaults={"approximate": "none"},
+        inplace=_gelu_out_of_place,
+        post_op=VendorPostOp("gelu", (), "approximate", ("none", "tanh")),
+    )
+)
 
 
 def _softmax(node: Node) -> Kernel:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..graph import Graph, Node
 from ..hardware import Hardware
+from ..ops import CATALOGUE, get_op
 from .patterns import Readers, Rewrite, pairs
 
 
@@ -37,23 +38,16 @@ class PostOps:
     after_residual: frozenset[str | None] = frozenset()
 
 
-_ONEDNN_ELTWISE = frozenset(
-    {
-        "relu",
-        "sigmoid",
-        "tanh",
-        "hardswish",
-        "hardsigmoid",
-        "silu",
-        "leaky_relu",
-        "hardtanh",
-        "gelu",
-    }
+# the activations oneDNN fuses as eltwise post-ops, and those it takes after a binary
+# (residual add) post-op: the registry entries' ``post_op``
+_ONEDNN_ELTWISE = frozenset(name for name, op in CATALOGUE.items() if op.post_op is not None)
+_ONEDNN_AFTER_ADD = frozenset(
+    name for name, op in CATALOGUE.items() if op.post_op is not None and op.post_op.after_binary
 )
 
 # (device kind, layer op) -> what its vendor call fuses.
 POST_OPS: dict[tuple[str, str], PostOps] = {
-    ("cpu", "conv2d"): PostOps(_ONEDNN_ELTWISE, frozenset({None, "relu"})),
+    ("cpu", "conv2d"): PostOps(_ONEDNN_ELTWISE, frozenset({None}) | _ONEDNN_AFTER_ADD),
     ("cpu", "linear"): PostOps(_ONEDNN_ELTWISE),
     ("cuda", "conv2d"): PostOps(_ONEDNN_ELTWISE, frozenset({None}) | _ONEDNN_ELTWISE),
     ("cuda", "linear"): PostOps(frozenset({"relu"})),
@@ -154,9 +148,8 @@ def _activation_name(node: Node) -> str | None:
     """The op name when ``node`` is a one-input activation the tables may name."""
     if len(node.inputs) != 1 or node.op not in _ONEDNN_ELTWISE:
         return None
-    if node.op == "gelu" and node.attrs.get("approximate", "none") not in ("none", "tanh"):
-        return None
-    return node.op
+    spec = get_op(node.op).post_op
+    return node.op if spec is not None and spec.takes(node.attrs) else None
 
 
 def _plain_add(node: Node) -> bool:

@@ -20,13 +20,9 @@ from .patterns import Readers, Rewrite, pairs
 
 def is_monotone(node: Node) -> bool:
     """Whether ``node`` is a monotone non-decreasing activation that commutes with a max
-    (catalogue flag; a leaky_relu only with a positive slope, see the module docstring; a
-    hardtanh only with min_val <= max_val)."""
-    if node.op == "leaky_relu":
-        return float(node.attrs["negative_slope"]) > 0.0
-    if node.op == "hardtanh" and float(node.attrs["min_val"]) > float(node.attrs["max_val"]):
-        return False
-    return len(node.inputs) == 1 and get_op(node.op).monotone
+    (the registry's ``OpDef.is_monotone`` for its attrs: a leaky_relu only with a positive
+    slope, see the module docstring; a hardtanh only with min_val <= max_val)."""
+    return len(node.inputs) == 1 and get_op(node.op).is_monotone(node.attrs)
 
 
 def _act_before(graph: Graph, readers: Readers, pool: Node) -> tuple[Node, str] | None:

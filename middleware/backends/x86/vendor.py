@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from ...graph import Graph, Node
 from ...hardware import Hardware
+from ...ops import CATALOGUE, activation_fn, get_op
 
 Kernel = Callable[..., Any]
 
@@ -47,41 +48,9 @@ Kernel = Callable[..., Any]
 ONEDNN_DTYPES = frozenset({"float32"})
 
 
-# ------------------------------------------------------------------- post-op tables
-@dataclasses.dataclass(frozen=True)
-class PostOpSpec:
-    """How a catalogue activation is spelled as a oneDNN eltwise post-op: its name, the
-    activation attrs that become oneDNN scalars (in order), and the attr that becomes the
-    oneDNN "algorithm" string (gelu's ``approximate``)."""
-
-    onednn: str
-    scalar_keys: tuple[str, ...] = ()
-    algorithm_key: str | None = None
-
-
-# catalogue activation name -> oneDNN post-op (relu6 is the catalogue's hardtanh(0, 6))
-ONEDNN_POST_OPS: dict[str, PostOpSpec] = {
-    "relu": PostOpSpec("relu"),
-    "sigmoid": PostOpSpec("sigmoid"),
-    "tanh": PostOpSpec("tanh"),
-    "silu": PostOpSpec("swish"),
-    "hardswish": PostOpSpec("hardswish"),
-    "hardsigmoid": PostOpSpec("hardsigmoid"),
-    "hardtanh": PostOpSpec("hardtanh", ("min_val", "max_val")),
-    "leaky_relu": PostOpSpec("leaky_relu", ("negative_slope",)),
-    "gelu": PostOpSpec("gelu", (), "approximate"),
-}
-
-# defaults for activation attrs the passes may leave out (the catalogue's defaults)
-_ACT_DEFAULTS: dict[str, dict[str, Any]] = {
-    "hardtanh": {"min_val": -1.0, "max_val": 1.0},
-    "leaky_relu": {"negative_slope": 0.01},
-    "gelu": {"approximate": "none"},
-}
-
-# oneDNN eltwise post-ops that the binary (residual add) convolution call accepts after
-# the add (measured on torch 2.14: every other one raises "Unary Fusion behavior undefined")
-ONEDNN_BINARY_UNARY = frozenset({"relu"})
+# ------------------------------------------------------------------- post-ops
+# How each activation is spelled as a oneDNN post-op, its attr defaults and its in-place
+# ATen form are facts of its registry entry (``OpDef.post_op``, ``defaults``, ``inplace``).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +67,7 @@ def activation_attrs(node: Node) -> tuple[str | None, dict[str, Any]]:
     name = node.attrs.get("activation") or None
     if name is None:
         return None, {}
-    attrs = dict(_ACT_DEFAULTS.get(name, {}))
+    attrs = dict(get_op(name).defaults)
     attrs.update(dict(node.attrs.get("activation_attrs", ())))
     return name, attrs
 
@@ -108,7 +77,8 @@ def onednn_post_op(name: str | None, attrs: Mapping[str, Any]) -> OneDnnPostOp |
     activation; None where oneDNN has no such post-op."""
     if name is None:
         return OneDnnPostOp()
-    spec = ONEDNN_POST_OPS.get(name)
+    op = CATALOGUE.get(name)
+    spec = None if op is None else op.post_op
     if spec is None:
         return None
     scalars = tuple(float(attrs[k]) for k in spec.scalar_keys)
@@ -116,69 +86,22 @@ def onednn_post_op(name: str | None, attrs: Mapping[str, Any]) -> OneDnnPostOp |
     return OneDnnPostOp(spec.onednn, scalars, algorithm)
 
 
-def _sigmoid_(x: torch.Tensor) -> torch.Tensor:
-    return x.sigmoid_()
-
-
-def _tanh_(x: torch.Tensor) -> torch.Tensor:
-    return x.tanh_()
-
-
-def _relu_(x: torch.Tensor) -> torch.Tensor:
-    return x.relu_()
-
-
-def _silu_(x: torch.Tensor) -> torch.Tensor:
-    return F.silu(x, inplace=True)
-
-
-def _hardswish_(x: torch.Tensor) -> torch.Tensor:
-    return F.hardswish(x, inplace=True)
-
-
-def _hardsigmoid_(x: torch.Tensor) -> torch.Tensor:
-    return F.hardsigmoid(x, inplace=True)
+def _after_binary(name: str | None) -> bool:
+    """oneDNN takes activation ``name`` after a binary (residual add) post-op."""
+    spec = None if name is None else get_op(name).post_op
+    return spec is not None and spec.after_binary
 
 
 def inplace_activation(name: str | None, attrs: Mapping[str, Any]) -> Callable[[Any], Any] | None:
-    """An ATen activation that overwrites its argument (no new buffer) and returns it;
-    gelu has no in-place form and returns a new tensor. None for no activation."""
+    """An ATen activation that overwrites its argument (no new buffer) and returns it (the
+    registry entry's ``inplace`` form; one without an in-place form, such as gelu, returns
+    a new tensor). None for no activation."""
     if name is None:
         return None
-    simple = {
-        "relu": _relu_,
-        "sigmoid": _sigmoid_,
-        "tanh": _tanh_,
-        "silu": _silu_,
-        "hardswish": _hardswish_,
-        "hardsigmoid": _hardsigmoid_,
-    }
-    if name in simple:
-        return simple[name]
-    if name == "hardtanh":
-        lo, hi = float(attrs["min_val"]), float(attrs["max_val"])
-
-        def hardtanh_(x: torch.Tensor) -> torch.Tensor:
-            return F.hardtanh(x, lo, hi, inplace=True)
-
-        return hardtanh_
-    if name == "leaky_relu":
-        slope = float(attrs["negative_slope"])
-
-        def leaky_relu_(x: torch.Tensor) -> torch.Tensor:
-            return F.leaky_relu(x, slope, inplace=True)
-
-        return leaky_relu_
-    if name == "gelu":
-        approximate = str(attrs["approximate"])
-
-        def gelu(x: torch.Tensor) -> torch.Tensor:
-            return F.gelu(x, approximate=approximate)
-
-        return gelu
-    from ...ops import activation_fn  # any other catalogue activation, out of place
-
-    return activation_fn(name, dict(attrs))
+    op = get_op(name)
+    if op.inplace is not None:
+        return op.inplace(attrs)
+    return activation_fn(name, dict(attrs))  # any other activation, out of place
 
 
 # ----------------------------------------------------------------------- rules (data)
@@ -294,7 +217,7 @@ def _cpu_conv(graph: Graph, node: Node) -> Kernel | None:
         return conv_then_act
 
     binary = torch.ops.mkldnn._convolution_pointwise.binary
-    if post is not None and post.attr in ONEDNN_BINARY_UNARY:
+    if post is not None and _after_binary(name):
         unary, u_scalars, u_alg, after = post.attr, list(post.scalars), post.algorithm, None
     else:
         unary, u_scalars, u_alg, after = None, [], None, inplace_activation(name, attrs)
