@@ -2,14 +2,14 @@
 
 Used by the depth-first scheduler (passes/schedule.py). Sets here are named-tuple spaces
 with named dims (e.g. ``[t_h] -> { relu1[n, c, h, w] : ... }``); loop bounds are read off
-them with ``dim_min``/``dim_max`` and printed by isl's own AST printer, so no bound is
-computed by hand.
+them with ``dim_min``/``dim_max`` and turned into index trees (``middleware.index_expr``)
+by isl's own AST builder (``ix_of``, ``ix_bounds``, ``ix_guard``), so no bound is computed
+by hand and no backend parses text.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Sequence
 
 import islpy as isl
@@ -92,17 +92,6 @@ def as_params(s: isl.Set, first: int, count: int) -> isl.Set:
     return s.move_dims(isl.dim_type.param, nparam, isl.dim_type.set, first, count)
 
 
-def c_expr(pa: isl.PwAff, context: isl.Set | None = None) -> str:
-    """A piecewise affine expression as C text (isl's printer: ``min``, ``max``, ``floord``)."""
-    if context is None:
-        context = pa.domain().params() if pa.dim(isl.dim_type.in_) else pa.domain()
-    build = isl.AstBuild.from_context(context.params())
-    text = build.expr_from_pw_aff(pa).to_C_str()
-    if re.fullmatch(r"-?[A-Za-z_0-9]+", text):
-        return text
-    return f"({text})"
-
-
 def _loop_bound_affs(s: isl.Set, order: Sequence[int]) -> list[tuple[tuple, tuple]]:
     """Per dim of ``s`` scanned in ``order``: ((lower pw_aff, context), (upper, context))."""
     n = s.dim(isl.dim_type.set)
@@ -123,17 +112,6 @@ def _loop_bound_affs(s: isl.Set, order: Sequence[int]) -> list[tuple[tuple, tupl
         ctx = p.params()
         out.append(((p.dim_min(0), ctx), (p.dim_max(0), ctx)))
     return out
-
-
-def _parse(bound: tuple) -> ix.Ix:
-    return ix_of(*bound)
-
-
-def loop_bounds(s: isl.Set, order: Sequence[int]) -> list[tuple[str, str]]:
-    """Inclusive (lower, upper) C bounds of each dim of ``s`` scanned in ``order`` (dim
-    positions, outermost first): the bound of a loop depends on the parameters and on the
-    loops outside it only (the inner dims are projected out)."""
-    return [(c_expr(*lo), c_expr(*hi)) for lo, hi in _loop_bound_affs(s, order)]
 
 
 def dim_range(s: isl.Set, dim: int) -> tuple[isl.PwAff, isl.PwAff]:
@@ -164,28 +142,6 @@ def key(obj: isl.Set | isl.Map) -> str:
 
 
 _VARS = ("n", "c", "h", "w", "k_h", "k_w")
-
-
-@functools.cache
-def affine_c(text: str) -> str:
-    """An index expression in isl syntax over ``n, c, h, w, k_h, k_w`` as C text; plain
-    affine text is returned as is, ``floor``/``mod`` go through isl's printer."""
-    if "floor" not in text and "mod" not in text:
-        return text
-    pa = isl.PwAff(f"[{', '.join(_VARS)}] -> {{ [({text})] }}")
-    ctx = isl.Set(f"[{', '.join(_VARS)}] -> {{ : {' and '.join(f'{v} >= 0' for v in _VARS[:4])} }}")
-    return c_expr(pa.intersect_params(ctx), ctx)
-
-
-def guard(s: isl.Set, context: isl.Set) -> str:
-    """C condition on the parameters under which ``s`` is not empty ("" when it never is
-    empty in ``context``)."""
-    dom = s.params()
-    dom, context = align_params(dom, context)
-    if context.is_subset(dom):
-        return ""
-    build = isl.AstBuild.from_context(context)
-    return build.expr_from_set(dom.intersect(context)).to_C_str()
 
 
 # ------------------------------------------------------- structured expressions (Ix)
@@ -233,7 +189,7 @@ def ix_from_ast(e: isl.AstExpr) -> ix.Ix:
 
 def ix_of(pa: isl.PwAff, context: isl.Set | None = None) -> ix.Ix:
     """A piecewise affine expression as an index tree (isl's AST builder decides the
-    ``min``/``max``/``floordiv`` structure, as ``c_expr`` prints it)."""
+    ``min``/``max``/``floordiv``/select structure)."""
     if context is None:
         context = pa.domain().params() if pa.dim(isl.dim_type.in_) else pa.domain()
     build = isl.AstBuild.from_context(context.params())
@@ -241,23 +197,35 @@ def ix_of(pa: isl.PwAff, context: isl.Set | None = None) -> ix.Ix:
 
 
 def ix_bounds(s: isl.Set, order: Sequence[int]) -> list[tuple[ix.Ix, ix.Ix]]:
-    """``loop_bounds`` as index trees."""
-    return [(_parse(lo), _parse(hi)) for lo, hi in _loop_bound_affs(s, order)]
+    """Inclusive (lower, upper) bounds of each dim of ``s`` scanned in ``order`` (dim
+    positions, outermost first) as index trees: the bound of a loop depends on the
+    parameters and on the loops outside it only (the inner dims are projected out)."""
+    return [(ix_of(*lo), ix_of(*hi)) for lo, hi in _loop_bound_affs(s, order)]
 
 
 @functools.cache
 def ix_index(text: str) -> ix.Ix:
-    """An index expression in isl syntax over ``n, c, h, w, k_h, k_w`` as a tree."""
+    """An index expression in isl syntax over ``n, c, h, w, k_h, k_w`` (as
+    ``middleware.loops`` writes them: ``2*h + k_h - 1``, ``(c mod 2)*4 + floor(c/2)``) as
+    a tree, simplified for non-negative ``n, c, h, w``."""
     pa = isl.PwAff(f"[{', '.join(_VARS)}] -> {{ [({text})] }}")
     ctx = isl.Set(f"[{', '.join(_VARS)}] -> {{ : {' and '.join(f'{v} >= 0' for v in _VARS[:4])} }}")
     return ix_of(pa.intersect_params(ctx), ctx)
 
 
 def ix_guard(s: isl.Set, context: isl.Set) -> ix.Ix | None:
-    """``guard`` as a tree (None when ``s`` is never empty in ``context``)."""
+    """The condition on the parameters under which ``s`` is not empty, as a tree (None
+    when it never is empty in ``context``)."""
     dom = s.params()
     dom, context = align_params(dom, context)
     if context.is_subset(dom):
         return None
     build = isl.AstBuild.from_context(context)
     return ix_from_ast(build.expr_from_set(dom.intersect(context)))
+
+
+def affine_c(text: str) -> str:
+    """C text of an isl-syntax index (``to_c(ix_index(text))``). Transitional: a schedule's
+    indices are trees already (print them with ``index_expr.to_c``); kept only while
+    ``backends/cuda`` still imports it, to be removed with its last use."""
+    return ix.to_c(ix_index(text))

@@ -7,11 +7,13 @@ import dataclasses
 
 import islpy as isl
 import pytest
-from fusion_helpers import avgpool, bn, build_chain, hardware, maxpool
-from middleware.passes.schedule import schedule_group
+from fusion_helpers import add, avgpool, bn, build_chain, hardware, maxpool
 
+from middleware import index_expr as ix
 from middleware import isl_helpers as ih
-from middleware.loops import Acc, NotFusable
+from middleware.graph import Graph, TensorType
+from middleware.loops import Acc, Load, NotFusable, ParamVec, leaves
+from middleware.passes.schedule import schedule_group
 
 
 def _names(g):
@@ -38,7 +40,9 @@ def test_pool_reads_materialised_scratch_with_halo():
     assert scratch.extent == (1, 8, 6, 16)
     assert s.tiling.sizes[2] == 4 and s.tiling.params[2] == "t_h"
     # the first row of the region is clipped at the top border (from isl, not by hand)
-    assert "t_h" in scratch.origin[2]
+    assert ix.evaluate(scratch.origin[2], {"t_h": 0}) == 0
+    assert ix.evaluate(scratch.origin[2], {"t_h": 8}) == 7
+    assert scratch.origin[1] == ix.Int(0)
 
 
 def test_cheap_producer_is_recomputed_through_a_sparse_window():
@@ -72,8 +76,11 @@ def test_window_bounds_come_from_isl():
     s = schedule_group(g, _names(g), hardware())
     red = s.stages[0].reduction
     kh = next(lp for lp in red.loops if lp.var == "k_h")
-    # top row: k_h starts at 1 (row -1 is padding); the guard depends on the output row
-    assert "h" in kh.lo or "t_h" in kh.lo
+    # top row: k_h starts at 1 (row -1 is padding); the bound depends on the output row
+    assert ix.variables(kh.lo) & {"h", "t_h"}
+    assert [ix.evaluate(kh.lo, {"h": h, "t_h": h}) for h in range(4)] == [1, 0, 0, 0]
+    # bottom row 3 reads rows 5, 6 (row 7 is padding)
+    assert [ix.evaluate(kh.hi, {"h": h, "t_h": h}) for h in range(4)] == [2, 2, 2, 1]
 
 
 def test_tile_rows_follow_l2_size():
@@ -124,4 +131,65 @@ def test_not_fusable_says_why(steps, why):
 def test_avgpool_divisor_is_per_window():
     g = build_chain((1, 3, 5, 5), "nhwc", [avgpool(3, 2, 1, cip=False)])
     red = schedule_group(g, _names(g), hardware()).stages[0].reduction
-    assert red.divisor and ("h" in red.divisor or "t_h" in red.divisor)
+    # 3x3/2 window, padding 1, on 5x5, padding not counted: 2x2 at a corner, 3x3 inside
+    assert ix.variables(red.divisor) <= {"h", "w"}
+    assert ix.evaluate(red.divisor, {"h": 0, "w": 0}) == 4
+    assert ix.evaluate(red.divisor, {"h": 1, "w": 0}) == 6
+    assert ix.evaluate(red.divisor, {"h": 1, "w": 1}) == 9
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_point_loops_visit_the_taps_of_one_output(layout):
+    # 3x3/2 window, padding 1, on 7x6: output 4x3; the taps inside the input only
+    g = build_chain((1, 2, 7, 6), layout, [maxpool(3, 2, 1)])
+    red = schedule_group(g, _names(g), hardware(), tile_rows=2).stages[0].reduction
+    assert [lp.var for lp in red.point_loops] == ["k_h", "k_w"]
+    for lp in red.point_loops:
+        assert ix.variables(lp.lo) | ix.variables(lp.hi) <= {"n", "c", "h", "w", "k_h"}
+    kh, kw = red.point_loops
+    for h in range(4):
+        for w in range(3):
+            env = {"n": 0, "c": 1, "h": h, "w": w}
+            taps = {
+                (a, b)
+                for a in range(ix.evaluate(kh.lo, env), ix.evaluate(kh.hi, env) + 1)
+                for b in range(
+                    ix.evaluate(kw.lo, {**env, "k_h": a}), ix.evaluate(kw.hi, {**env, "k_h": a}) + 1
+                )
+            }
+            want = {
+                (a, b)
+                for a in range(3)
+                for b in range(3)
+                if 0 <= 2 * h + a - 1 < 7 and 0 <= 2 * w + b - 1 < 6
+            }
+            assert taps == want, (h, w)
+
+
+def test_loads_and_params_are_index_trees():
+    g = build_chain((1, 4, 6, 6), "nchw", [bn(), maxpool(3, 2, 1)])
+    s = schedule_group(g, _names(g), hardware())
+    (st,) = s.stages
+    loads = [x for x in leaves(st.reduction.body) if isinstance(x, Load)]
+    params = [x for x in leaves(st.reduction.body) if isinstance(x, ParamVec)]
+    assert loads and params
+    for x in loads:
+        assert all(isinstance(i, (ix.Var, ix.Int, ix.Op)) for i in x.index)
+    assert ix.evaluate(loads[0].index[2], {"h": 2, "k_h": 0}) == 3
+    assert all(p.index == ix.Var("c") for p in params)
+    for b in s.buffers:
+        assert all(isinstance(o, (ix.Var, ix.Int, ix.Op)) for o in b.origin)
+
+
+def test_concat_slices_say_which_channels_they_cover():
+    g = Graph()
+    x = g.add_input("x", TensorType((1, 3, 5, 4), "float32", "nchw"))
+    y = g.add_input("y", TensorType((1, 4, 5, 4), "float32", "nchw"))
+    g.set_outputs(add(g, "cat", [add(g, "relu", [x]), add(g, "sigmoid", [y])], dim=1))
+    s = schedule_group(g, _names(g), hardware())
+    covers = [st.covers for st in s.stages]
+    assert len(covers) == 2
+    assert [[c for c in range(7) if ix.evaluate(cv, {"c": c})] for cv in covers] == [
+        [0, 1, 2],
+        [3, 4, 5, 6],
+    ]

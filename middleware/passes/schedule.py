@@ -14,10 +14,11 @@ DAG with one output value) into a frozen :class:`Schedule`:
 2. The final output is tiled (tile sizes and thread/SIMD mapping from ``Hardware``). The
    region of every scratch value and input a tile needs is the image of the tile under the
    access relations (islpy maps), pulled backwards stage by stage, halos included.
-3. Loop bounds, window ranges, scratch origins and extents, and the element counts of
-   averaging windows are read off these isl sets (``middleware.isl_helpers``) and kept as
-   C-syntax affine text (isl's printer: ``min``, ``max``, ``floord``, ``?:``), which is
-   also valid CUDA.
+3. Loop bounds, window ranges, guards, scratch origins and extents, and the element
+   counts of averaging windows are read off these isl sets (``middleware.isl_helpers``)
+   as index trees (``middleware.index_expr``: isl's AST builder decides the ``min``,
+   ``max``, ``floordiv`` and select structure); the loads' isl-syntax index text of
+   ``middleware.loops`` becomes index trees too. Each backend prints or evaluates them.
 
 The records and their conventions are in ``passes/schedule_ir.py``.
 """
@@ -418,7 +419,7 @@ class _Builder:
 
     def stage_loops(self, region: isl.Set) -> tuple[tuple[Loop, ...], Loop]:
         order = ORDER[self.layout]
-        b = ih.loop_bounds(region, order)
+        b = ih.ix_bounds(region, order)
         loops = tuple(Loop(DIMS[d], lo, hi) for d, (lo, hi) in zip(order[:-1], b[:-1], strict=True))
         d = order[-1]
         return loops, Loop(DIMS[d], b[-1][0], b[-1][1], simd=True)
@@ -445,31 +446,40 @@ class _Builder:
         inner_win = [i for i, w in enumerate(windows) if w.dim == inner]
         other_win = [i for i, w in enumerate(windows) if w.dim != inner]
         scan = list(order[:-1]) + [4 + i for i in other_win] + [4 + i for i in inner_win] + [inner]
-        bounds = ih.loop_bounds(full, scan)
+        bounds = ih.ix_bounds(full, scan)
         names = [DIMS[i] if i < 4 else kvars[i - 4] for i in scan]
         loops = tuple(
             Loop(nm, lo, hi) for nm, (lo, hi) in zip(names[3:-1], bounds[3:-1], strict=True)
         )
         inner_loop = Loop(names[-1], bounds[-1][0], bounds[-1][1], simd=True)
-        divisor = ""
+        divisor: ix.Ix | None = None
         if red.divisor.startswith("const:"):
-            divisor = red.divisor.split(":", 1)[1]
+            divisor = ix.Int(int(red.divisor.split(":", 1)[1]))
         elif red.divisor:
-            counts = []
+            counts: list[ix.Ix] = []
             for win in windows:
                 o = DIMS[win.dim]
                 c = re.sub(r"\bk\b", win.var, re.sub(r"\bo\b", o, win.constraint))
-                ix = win.input_index()
+                at = win.input_index()
                 if red.divisor == "include_pad":
-                    valid = f"{win.padded_lo} <= {ix} < {win.padded_hi}"
+                    valid = f"{win.padded_lo} <= {at} < {win.padded_hi}"
                 else:
-                    valid = f"0 <= {ix} < {in_shape[win.dim]}"
-                ks = ih.with_params(isl.Set(f"[{o}] -> {{ [{win.var}] : {c} and {valid} }}"), ctx)
+                    valid = f"0 <= {at} < {in_shape[win.dim]}"
+                # over the output coordinate only (no tile origin): one-thread-per-output
+                # backends use it as it is
+                inside = f"0 <= {o} < {self.out4[win.dim]}"
+                ks = isl.Set(f"[{o}] -> {{ [{win.var}] : {c} and {valid} and {inside} }}")
                 lo, hi = ks.dim_min(0), ks.dim_max(0)
-                counts.append(f"({ih.c_expr(hi.sub(lo))} + 1)")
-            divisor = " * ".join(counts)
+                counts.append(ix.op("add", ih.ix_of(hi.sub(lo)), ix.Int(1)))
+            divisor = counts[0] if len(counts) == 1 else ix.Op("mul", tuple(counts))
         return Reduction(
-            red.reduce, red.init, red.body, loops, inner_loop, divisor, self.point_loops(dom, kvars)
+            red.reduce,
+            red.init,
+            _structured(red.body),
+            loops,
+            inner_loop,
+            divisor,
+            self.point_loops(dom, kvars),
         )
 
     def point_loops(self, dom: isl.Set, kvars: Sequence[str]) -> tuple[Loop, ...]:
@@ -492,7 +502,7 @@ class _Builder:
             t = g.values[v]
             s4 = logical4(t)
             buffers.append(
-                Buffer(self.value_ids[v], v, "input", s4, t.shape, _mem_layout(t), ("0",) * 4, s4)  # type: ignore[arg-type]
+                Buffer(self.value_ids[v], v, "input", s4, t.shape, _mem_layout(t), _ZERO4, s4)  # type: ignore[arg-type]
             )
         for d in self._values():
             t = g.values[d.value]
@@ -506,13 +516,13 @@ class _Builder:
                         s4,
                         t.shape,
                         _mem_layout(t),
-                        ("0",) * 4,
+                        _ZERO4,
                         s4,
                     )  # type: ignore[arg-type]
                 )
                 continue
             reg = ih.with_params(regions[d.value], ctx)
-            origin = tuple(ih.c_expr(reg.dim_min(k), reg.params()) for k in range(4))
+            origin = tuple(ih.ix_of(reg.dim_min(k), reg.params()) for k in range(4))
             extent = tuple(max(1, ih.max_extent(reg, k)) for k in range(4))
             buffers.append(
                 Buffer(
@@ -536,7 +546,7 @@ class _Builder:
             if red is not None:
                 acc = max(acc, ih.max_extent(reg, ORDER[self.layout][-1]))
             label = " + ".join(g.node(n).source or n for n in d.nodes)
-            guard = ih.guard(reg, isl.Set(ctx))
+            guard = ih.ix_guard(reg, isl.Set(ctx))
             stages.append(
                 Stage(
                     label,
@@ -544,15 +554,15 @@ class _Builder:
                     self.value_ids[d.value],
                     loops,
                     inner,
-                    d.expr,
+                    _structured(d.expr),
                     red,
                     guard,
                     _channel_range(d.channels),
                 )
             )
         params: dict[str, ParamVec] = {}
-        for d in self.drafts:
-            exprs = [d.expr] + ([d.red.body] if d.red is not None and d.red.body else [])
+        for st in stages:
+            exprs = [st.expr] + ([st.reduction.body] if st.reduction is not None else [])
             for e in exprs:
                 for x in leaves(e):
                     if isinstance(x, ParamVec):
@@ -574,6 +584,23 @@ class _Builder:
             simd_floats=self.hw.simd_floats,
             description=desc,
         )
+
+
+_ZERO4 = (ix.Int(0),) * 4
+
+
+def _structured(expr: Expr) -> Expr:
+    """``expr`` with the isl-syntax text of its load and parameter indices as index trees
+    (what a :class:`Schedule` carries)."""
+
+    def leaf(x: Expr) -> Expr | None:
+        if isinstance(x, Load):
+            return Load(x.value, tuple(ih.ix_index(i) for i in x.index))  # type: ignore[arg-type]
+        if isinstance(x, ParamVec):
+            return ParamVec(x.name, x.data, ih.ix_index(x.index))  # type: ignore[arg-type]
+        return None
+
+    return substitute(expr, leaf)
 
 
 def _channel_range(channels: tuple[int, int] | None) -> ix.Ix | None:

@@ -1,30 +1,47 @@
 """The backend-neutral schedule records (frozen dataclasses) of depth-first fused groups.
 
-Built by ``passes/schedule.py``; rendered by backends/x86 (C, ISPC) and backends/cuda.
+Built by ``passes/schedule.py``; rendered by backends/x86 (C, ISPC), backends/cuda and
+executed by backends/reference (numpy).
 
 Record conventions (for every renderer):
 * Logical index space of every value: ``(n, c, h, w)``; loop variables carry those names,
   window variables are ``k_h``/``k_w``, tile origins ``t_n``/``t_c``/``t_h``.
+* Every bound, guard, divisor, origin and index is an index tree (``Ix`` of
+  ``middleware.index_expr``: ``Var``, ``Int``, ``Op``), never target text: a backend
+  prints it (``index_expr.to_c`` for C, ISPC and CUDA, which need the ``min``/``max``/
+  ``floord`` helpers) or evaluates it (``index_expr.evaluate`` on ints or numpy arrays).
 * All bounds are inclusive. ``Loop.lo``/``Loop.hi`` may refer to the tile origins and to
-  the variables of enclosing loops only.
+  the variables of enclosing loops only (``Reduction.point_loops``: to ``n, c, h, w`` and
+  the window loops outside them only).
 * A scratch buffer element ``(n, c, h, w)`` lives at ``sum((x_d - origin_d) * stride_d)``
-  with ``origin_d`` (text over tile origins) and strides from ``extent`` in the
+  with ``origin_d`` (a tree over the tile origins) and strides from ``extent`` in the
   schedule's ``layout`` order; a global buffer uses its own shape and layout
-  (``Buffer.strides``). Dims of extent 1 are always index 0 (broadcast or a 1-sized dim).
-* Load indices (``middleware.loops.Load.index``) are isl-syntax text, affine in
-  ``n, c, h, w, k_h, k_w``, possibly with ``floor(x/d)`` and ``(x mod d)`` (channel
-  shuffles); ``middleware.isl_helpers.affine_c`` prints one as C (non-negative operands).
+  (``Buffer.strides``, origins ``Int(0)``). Dims of extent 1 are always index 0 (broadcast
+  or a 1-sized dim).
+* Load indices: in a Schedule, ``middleware.loops.Load.index`` is a tuple of four index
+  trees and ``ParamVec.index`` one tree, over ``n, c, h, w, k_h, k_w`` (affine, possibly
+  with ``floordiv``/``div``/``mod`` for channel shuffles, on non-negative operands). The
+  ``loops`` layer itself writes them as isl-syntax text (``2*h + k_h - 1``,
+  ``(c mod 2)*4 + floor(c/2)``); the scheduler converts every one
+  (``isl_helpers.ix_index``), so no renderer parses text.
 * Expressions use the closed function vocabulary ``middleware.loops.FUNCTIONS``; a
-  renderer needs one table from those names to its spelling (backends/x86/cfuncs.py).
+  renderer needs one table from those names to its spelling (backends/x86/cfuncs.py,
+  backends/reference/backend.py).
 * How to run a stage (every backend does the same): for each tile (the ``Tiling`` origins,
-  parallel), for each stage in order, if ``guard`` holds: scan ``loops``; without a
-  reduction, store ``expr`` over ``inner``; with one: ``acc[i - inner.lo] = init`` over
-  ``inner``, then scan ``reduction.loops`` and over ``reduction.inner``
+  ``t_d = 0, sizes[d], 2*sizes[d], ... < extents[d]`` on the dims with a parameter,
+  parallel), for each stage in order, if ``guard`` holds (None: always): scan ``loops``;
+  without a reduction, store ``expr`` over ``inner``; with one: ``acc[i - inner.lo] =
+  init`` over ``inner``, then scan ``reduction.loops`` and over ``reduction.inner``
   ``acc = op(acc, body)`` ("max" or "sum"), then store ``expr`` over ``inner`` with
-  ``Acc`` = ``acc[i - inner.lo] / divisor`` (no division when ``divisor`` is "").
+  ``Acc`` = ``acc[i - inner.lo] / divisor`` (no division when ``divisor`` is None).
   ``acc`` holds ``Schedule.acc_elems`` floats per thread; scratch buffers are per thread.
+* One thread per output element (CUDA): for an output point ``(n, c, h, w)`` of the
+  final output, the stage writing the output whose ``covers`` holds (None: always) gives
+  the element: ``expr`` with ``Acc`` = ``op`` of ``body`` over the ``point_loops`` taps
+  (from ``init``), divided by ``divisor``. Tiles, guards and scratch origins play no part.
 
-These records are stable: renderers (x86 C, ISPC, CUDA) depend on them.
+These records are stable: renderers (x86 C, ISPC, CUDA, reference) depend on them; the
+field names below are the interface.
 """
 
 from __future__ import annotations
@@ -42,9 +59,9 @@ class Buffer:
     """A tensor the kernel touches. ``role``: "input" | "output" | "scratch".
 
     ``shape`` is the logical ``(n, c, h, w)`` shape; ``torch_shape`` the value's real shape.
-    For scratch buffers ``origin`` gives, per dim, the first index a tile holds (text over
-    the tile origins) and ``extent`` the most elements any tile holds (the allocation);
-    for global buffers ``origin`` is all "0" and ``extent`` is ``shape``.
+    For scratch buffers ``origin`` gives, per dim, the first index a tile holds (an index
+    tree over the tile origins) and ``extent`` the most elements any tile holds (the allocation);
+    for global buffers ``origin`` is all ``Int(0)`` and ``extent`` is ``shape``.
     """
 
     name: str
@@ -53,7 +70,7 @@ class Buffer:
     shape: tuple[int, int, int, int]
     torch_shape: tuple[int, ...]
     layout: str
-    origin: tuple[str, str, str, str]
+    origin: tuple[Ix, Ix, Ix, Ix]
     extent: tuple[int, int, int, int]
 
     @property
@@ -74,11 +91,12 @@ class Buffer:
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-    """``for var in lo..hi`` (inclusive). ``simd``: the contiguous innermost loop."""
+    """``for var in lo..hi`` (inclusive bounds, index trees). ``simd``: the contiguous
+    innermost loop."""
 
     var: str
-    lo: str
-    hi: str
+    lo: Ix
+    hi: Ix
     simd: bool = False
 
 
@@ -89,7 +107,8 @@ class Reduction:
     ``loops`` are the window loops (and, when the innermost dim has a window, its window
     loop last), scanned inside the stage's outer loops; ``inner`` is the innermost data
     loop for the accumulation, its bounds depending on the window variables.
-    ``divisor`` is "" or C-syntax text over the output coordinates (averaging pools).
+    ``divisor`` is None or an index tree over the output coordinates ``n, c, h, w`` only
+    (averaging pools: the window's element count). ``point_loops``: see below.
     """
 
     op: str  # "max" | "sum"
@@ -97,7 +116,7 @@ class Reduction:
     body: Expr
     loops: tuple[Loop, ...]
     inner: Loop
-    divisor: str = ""
+    divisor: Ix | None = None
     # The window loops of ONE output point (outermost first, e.g. ``k_h`` then ``k_w``),
     # their bounds over the output coordinates ``n, c, h, w`` only (and the window loops
     # outside them): exactly the taps the loop nest above visits for that point (inside
@@ -117,9 +136,9 @@ class Stage:
     inner: Loop
     expr: Expr
     reduction: Reduction | None = None
-    # C-syntax condition over the tile origins; the stage runs only in tiles where it holds
-    # ("" = always), e.g. a concat slice in an NCHW tile of another channel.
-    guard: str = ""
+    # A condition (index tree) over the tile origins; the stage runs only in tiles where it
+    # holds (None = always), e.g. a concat slice in an NCHW tile of another channel.
+    guard: Ix | None = None
     # The condition over the output coordinates ``n, c, h, w`` under which this stage
     # computes an element of its target (an index expression, ``middleware.index_expr``);
     # None: every element of the target (a concat slice: its channel range). For

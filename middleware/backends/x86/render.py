@@ -1,7 +1,8 @@
 """Render a :class:`~middleware.passes.schedule.Schedule` to OpenMP C.
 
 The structure lives in ``templates/group.c.j2`` (rendered with ``StrictUndefined``); the
-index arithmetic and expression text come from the small helpers below.
+index arithmetic and expression text come from the small helpers below: the schedule's
+index trees (bounds, guards, origins, indices) are printed with ``index_expr.to_c``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import jinja2
 
-from ...isl_helpers import affine_c
+from ...index_expr import Ix, Op, Var, to_c
 from ...loops import DIMS, Expr, Load, ParamVec
 from ...passes.schedule import Buffer, Loop, Schedule, Stage
 from .cfuncs import C_FUNCS, ISPC_FUNCS, c_expr, c_float
@@ -63,19 +64,29 @@ def comment(text: str) -> str:
 _SIMPLE = re.compile(r"^\(?([A-Za-z_][A-Za-z_0-9]*|-?\d+)\)?$")
 
 
-def _tidy(text: str) -> str:
-    m = _SIMPLE.match(text.strip())
-    return m.group(1) if m else f"({text})"
+def _tidy(x: Ix) -> str:
+    """C text of the index tree ``x``, parenthesised unless a name, a number, a call or a
+    select (which ``to_c`` parenthesises itself)."""
+    text = to_c(x)
+    if _SIMPLE.match(text) or (isinstance(x, Op) and x.op in _ATOMIC):
+        return text
+    return f"({text})"
 
 
-def address(buf: Buffer, index: tuple[str, ...]) -> str:
-    """Element offset of ``index`` (logical n, c, h, w text) in ``buf``."""
+_ATOMIC = frozenset({"min", "max", "floordiv", "select"})
+
+
+_DIM_VARS = tuple(Var(d) for d in DIMS)
+
+
+def address(buf: Buffer, index: tuple[Ix, ...]) -> str:
+    """Element offset of ``index`` (logical n, c, h, w index trees) in ``buf``."""
     terms = []
     strides = buf.strides
     for d in range(4):
         if buf.extent[d] == 1:
             continue
-        ix = _tidy(affine_c(index[d]))
+        ix = _tidy(index[d])
         if buf.role == "scratch":
             ix = f"({ix} - {origin_ident(buf, d)})"
         terms.append(ix if strides[d] == 1 else f"{ix} * {strides[d]}")
@@ -97,11 +108,11 @@ class _Ctx:
 
     @staticmethod
     def param(p: ParamVec) -> str:
-        return f"{param_ident(p.name)}[{p.index}]"
+        return f"{param_ident(p.name)}[{to_c(p.index)}]"  # type: ignore[arg-type]
 
     def store(self, st: Stage) -> str:
         b = self.s.buffer(st.target)
-        return f"{buffer_ident(b.name)}[{address(b, DIMS)}] = {self.expr(st.expr)}"
+        return f"{buffer_ident(b.name)}[{address(b, _DIM_VARS)}] = {self.expr(st.expr)}"
 
     def accumulate(self, st: Stage) -> str:
         red = st.reduction
@@ -116,8 +127,8 @@ class _Ctx:
         red = st.reduction
         assert red is not None
         a = f"acc[{st.inner.var} - acc0]"
-        if red.divisor:
-            return f"{a} / (float)({red.divisor})"
+        if red.divisor is not None:
+            return f"{a} / (float)({to_c(red.divisor)})"
         return a
 
 
@@ -169,6 +180,7 @@ def _common(s: Schedule, ctx: _Ctx) -> dict:
         extent_text=extent_text,
         c_float=c_float if ctx.table is C_FUNCS else ispc_float,
         tidy=_tidy,
+        cx=to_c,
         store=ctx.store,
         accumulate=ctx.accumulate,
         acc_value=ctx.acc_value,
