@@ -29,7 +29,7 @@ from middleware.backends.x86.compile import build_c
 from middleware.frontends import trace
 
 import middleware
-from middleware.compiler import compile_graph
+from middleware.pipeline import compile_graph
 from middleware.graph import Graph
 from middleware.hardware import detect
 from middleware.options import Options

@@ -56,7 +56,7 @@ def optimize(
     ``layout``, ``fuse``, ...) are the fields of :class:`middleware.Options`.
     The original model is never modified.
     """
-    from .compiler import compile_model
+    from .pipeline import compile_model
     from .runtime.module import OptimizedModule
 
     if not isinstance(model, nn.Module):

@@ -1,5 +1,5 @@
-"""Depth-first over the batch (runtime/chunked.py): a network's first layers run on slices
-of the batch. Every test compares against PyTorch (or the graph's reference interpreter)
+"""Depth-first over the batch (passes/batch_slice.py chooses the cut, runtime/chunked.py
+runs it): a network's first layers run on slices of the batch. Every test compares against PyTorch (or the graph's reference interpreter)
 on seeded random inputs: rtol/atol 1e-4 of the output's scale for networks, 1e-5 for
 graphs of io ops."""
 
@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
-from middleware.runtime.chunked import ChunkedPlan, choose_cut, split_graph
+from middleware.passes.batch_slice import choose_cut, split_graph
+from middleware.runtime.chunked import ChunkedPlan
 from middleware.runtime.plan import build_plan
 from test_memory_planner import _flat, _input, random_graphs
 
@@ -174,7 +175,7 @@ def test_cut_tensors_are_released_after_their_last_read() -> None:
 def test_per_sample_checks_attributes_not_only_shapes(op, attrs, out_shape, ok) -> None:  # noqa: ANN001
     """Each op's attributes decide whether it keeps the samples apart, also where the
     output's shape alone would not tell (channels == batch)."""
-    from middleware.runtime.chunked import _per_sample
+    from middleware.passes.batch_slice import _per_sample
 
     from middleware.graph import Graph, Node, TensorType
 

@@ -1,4 +1,4 @@
-"""Batch slicing (runtime/chunked.py) tracks the batch dimension from the graph inputs
+"""Batch slicing (passes/batch_slice.py) tracks the batch dimension from the graph inputs
 through per-sample ops; a size that merely equals the batch (a convolution weight computed
 from the activations with K == batch, a lower-rank operand broadcast from the right) is
 never sliced."""
@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from middleware.runtime import chunked
+from middleware.passes import batch_slice as chunked
 
 import middleware
 from middleware.graph import Graph, Node, TensorType

@@ -176,7 +176,7 @@ def test_group_with_two_outputs_is_split(tmp_path):
     """A group whose intermediate is also read outside runs as two generated pieces."""
     from fusion_helpers import add
 
-    from middleware.compiler import compile_graph
+    from middleware.pipeline import compile_graph
     from middleware.graph import Graph, TensorType
 
     g = Graph()

@@ -118,11 +118,10 @@ def test_depthwise_conv_in_an_io_group_runs_through_onednn(cache):
     around it are still generated, and the plan equals the reference."""
     import torch
     from fusion_helpers import hardware
+    from middleware.backends.x86 import X86Backend
     from middleware.backends.x86.units import fusion_units
-    from middleware.runtime.plan import build_plan
-
-    from middleware.compiler import _units
     from middleware.options import Options
+    from middleware.runtime.plan import build_plan
 
     c = 6
     steps = [
@@ -138,12 +137,12 @@ def test_depthwise_conv_in_an_io_group_runs_through_onednn(cache):
     ]
     g = build_chain((2, c, 9, 8), "nchw", steps, seed=5)
     opts = Options(cache_dir=cache)
-    fused, failed = fusion_units(g, opts, hardware())
+    fused, failed = fusion_units(X86Backend(), g, opts, hardware())
     covered = {n for u in fused.values() for n in u.nodes}
     conv = [n.name for n in g.nodes() if n.op == "conv2d"]
     assert conv and not set(conv) & covered and not failed
     assert len(covered) == len(g) - 1  # everything else is generated
-    units = _units(g, opts, hardware(), torch.device("cpu"))
+    units = X86Backend().units(g, opts, hardware(), torch.device("cpu"))
     assert [u.runs_as for u in units if u.nodes == tuple(conv)] == ["vendor"]
     x = torch.randn(g.values[g.inputs[0]].shape, generator=torch.Generator().manual_seed(3))
     plan = build_plan(g, torch.device("cpu"), units, plan_memory=True)

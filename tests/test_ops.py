@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import middleware
-from middleware.compiler import compile_graph
+from middleware.pipeline import compile_graph
 from middleware.graph import Graph, Node, TensorType
 from middleware.ops import CATALOGUE, infer_types
 from middleware.options import Options

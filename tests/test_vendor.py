@@ -213,7 +213,7 @@ def test_cuda_conv(act, residual):
 
 def test_compiler_runs_conv_and_linear_through_vendor_kernels(tmp_path):
     """optimize() hands conv2d/linear nodes the prepacked vendor callables (hook in
-    middleware/compiler.py ``_units``) and still matches eager PyTorch."""
+    backends/x86/units.py ``cpu_units``) and still matches eager PyTorch."""
     import middleware
 
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ from fusion_helpers import conv_graph, hardware
 from middleware.backends.x86 import winograd as wg
 
 import middleware
-from middleware.compiler import compile_graph
+from middleware.pipeline import compile_graph
 from middleware.errors import CompileError
 from middleware.ops import get_op
 from middleware.options import Options

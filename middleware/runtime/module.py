@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..enums import RunsAs
 from ..errors import (
     InputMismatchError,
     InputTypeError,
@@ -353,7 +354,7 @@ class OptimizedModule(nn.Module):
             op="model",
             bound="-",
             group=None,
-            runs_as="fallback",
+            runs_as=RunsAs.FALLBACK,
             reason=reason,
         )
         return Report((row,), notes=(note,))

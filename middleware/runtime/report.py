@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
+from ..enums import Bound, RunsAs
 from ..graph import Graph, Node
 from ..hardware import Hardware
 from ..ops import get_op
+from ..passes.classify import MARGIN
 
 
 @dataclasses.dataclass(frozen=True)
 class ReportRow:
     node: str
     op: str
-    bound: str
+    bound: Bound | str  # "-" for a model that runs as the original
     group: int | None
-    runs_as: str  # "generated" | "vendor" | "fallback"
+    runs_as: RunsAs
     reason: str = ""
     source: str = ""
     flops: float = 0.0
@@ -60,7 +63,7 @@ class Report:
 
     @property
     def fallbacks(self) -> list[ReportRow]:
-        return [r for r in self.rows if r.runs_as == "fallback"]
+        return [r for r in self.rows if r.runs_as == RunsAs.FALLBACK]
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -190,7 +193,7 @@ def group_rows(graph: Graph, rows: Sequence[ReportRow]) -> tuple[GroupRow, ...]:
         node_rows = [row_of[n.name] for n in nodes if n.name in row_of]
         runs = list(dict.fromkeys(r.runs_as for r in node_rows)) or ["-"]
         reasons = list(dict.fromkeys(r.reason for r in node_rows if r.reason))
-        bounds = list(dict.fromkeys(n.bound or str(get_op(n.op).bound) for n in nodes))
+        bounds = list(dict.fromkeys(n.bound or get_op(n.op).bound for n in nodes))
         out.append(
             GroupRow(
                 group=gid,
@@ -210,11 +213,51 @@ def hardware_note(hw: Hardware) -> str:
     """The report's line on the hardware figures: what they are, where they came from
     (measured, pinned, the device's properties, documented defaults and why) and what they
     were used for, so that a run that classified or tiled differently says why."""
-    from ..passes.classify import MARGIN
-
     return (
         f"hardware {hw.describe()}; used for: the io/param/compute classification "
         f"(balance, decided by op kind within x{MARGIN:g} of it), tile sizes "
         f"(L1 {hw.l1_bytes >> 10} KiB, L2 {hw.l2_bytes >> 10} KiB, {hw.cores} cores) and the "
         "batch-slicing cache budget (L2 x cores)"
     )
+
+
+def make_report(graph: Graph, plan: Any, hardware: Hardware | None = None) -> Report:
+    """The report of ``graph`` run by ``plan`` (a ``Plan``, ``ChunkedPlan`` or a backend's
+    wrapper of one: anything with ``steps`` and ``notes``): one row per node, one per group,
+    the plan's notes after the hardware figures that classified and tiled it."""
+    step_of = {}
+    for st in plan.steps:
+        for name in st.nodes:
+            step_of[name] = st
+    rows = []
+    for n in graph.nodes():
+        st = step_of.get(n.name)
+        flops, nbytes = node_cost(graph, n.name)
+        bound = n.bound or get_op(n.op).bound
+        rows.append(
+            ReportRow(
+                node=n.name,
+                op=n.op,
+                bound=bound,
+                group=n.group,
+                runs_as=st.runs_as if st else RunsAs.VENDOR,
+                reason=(st.reason if st else "") or str(n.attrs.get("reason", ""))
+                if n.op == "fallback"
+                else (st.reason if st else ""),
+                source=n.source,
+                flops=flops,
+                bytes=nbytes,
+            )
+        )
+    notes = tuple(getattr(plan, "notes", ()))
+    if hardware is not None:  # which figures classified and tiled this plan, and whence
+        notes = (hardware_note(hardware), *notes)
+    wino = [r.node for r in rows if r.reason.startswith("winograd")]
+    if wino:
+        notes += (
+            f"{len(wino)} convolution(s) run as Winograd F(4x4,3x3): generated transforms "
+            f"around the framework's batched GEMM ({', '.join(wino[:3])}"
+            f"{', ...' if len(wino) > 3 else ''}); Options(winograd=False) keeps oneDNN's "
+            "direct algorithm",
+        )
+    return Report(tuple(rows), group_rows(graph, rows), notes)
