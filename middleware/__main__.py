@@ -14,6 +14,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+from torch.utils._pytree import tree_flatten
+
+from . import cli_profile
+from .api import optimize, resolve_device
+from .errors import MiddlewareError
+from .models import ModelSpecError, load_model
+from .runtime.memtrack import measure_peak
+from .version import __version__
+
 AddCommand = Callable[[Any], None]  # takes argparse's subparsers object
 
 
@@ -71,13 +81,6 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import torch
-
-    import middleware
-    from middleware.api import resolve_device
-    from middleware.models import load_model
-    from middleware.runtime.memtrack import measure_peak
-
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.batch < 1 or args.repeat < 1 or args.warmup < 0:
@@ -99,9 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         expected = model(x)
 
     t0 = time.perf_counter()
-    optimized = middleware.optimize(
-        model, device=device, example_inputs=(x,), cache_dir=args.cache_dir
-    )
+    optimized = optimize(model, device=device, example_inputs=(x,), cache_dir=args.cache_dir)
     got = optimized(x)
     _sync(device)
     optimize_s = time.perf_counter() - t0
@@ -130,8 +131,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _eager(model: Any, x: Any) -> Callable[[], Any]:
-    import torch
-
     def run() -> Any:
         with torch.inference_mode():
             return model(x)
@@ -147,8 +146,6 @@ def _call(optimized: Any, x: Any) -> Callable[[], Any]:
 
 
 def _sync(device: str) -> None:
-    import torch
-
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -174,9 +171,6 @@ def _time_interleaved(
 
 def _compare(got: Any, expected: Any, rtol: float = 1e-4, atol: float = 1e-4) -> tuple[bool, str]:
     """Same structure, and every tensor within rtol and atol times its scale."""
-    import torch
-    from torch.utils._pytree import tree_flatten
-
     g, g_spec = tree_flatten(got)
     e, e_spec = tree_flatten(expected)
     if g_spec != e_spec:
@@ -219,8 +213,6 @@ def _table(times: dict[str, list[float]], peaks: dict[str, int], repeat: int) ->
 
 # ------------------------------------------------------------------------- the parser
 def add_profile(subparsers: Any) -> None:
-    from . import cli_profile
-
     cli_profile.add_parser(subparsers)
 
 
@@ -235,8 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
             "optimized = middleware.optimize(model, device='cpu')."
         ),
     )
-    from middleware import __version__
-
     parser.add_argument("--version", action="version", version=f"middleware {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in COMMANDS:
@@ -251,9 +241,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    from middleware.errors import MiddlewareError
-    from middleware.models import ModelSpecError
-
     try:
         return int(args.func(args))
     except (MiddlewareError, ModelSpecError) as e:  # bad model spec or device: no traceback

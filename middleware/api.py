@@ -9,17 +9,21 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from .backends import describe_available
+from .backends.cuda import check_cuda_runtime
 from .errors import DeviceError, OptionsError, TrainingModeError
+from .frontends import trace as _trace
 from .graph import Graph
 from .options import Options, default_cache_dir
+from .passes import pass_names
+from .pipeline import compile_model
+from .runtime.module import OptimizedModule
 
 DEVICES = ("cpu", "cuda", "auto")
 
 
 def available_backends() -> list[str]:
     """The devices that can run here, each with what generates its kernels."""
-    from .backends import describe_available
-
     return describe_available()
 
 
@@ -56,9 +60,6 @@ def optimize(
     ``layout``, ``fuse``, ...) are the fields of :class:`middleware.Options`.
     The original model is never modified.
     """
-    from .pipeline import compile_model
-    from .runtime.module import OptimizedModule
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes a torch.nn.Module, got {type(model).__name__}")
     if model.training:
@@ -78,8 +79,6 @@ def optimize(
         opts["debug_dir"] = Path(opts["debug_dir"])  # type: ignore[arg-type]
     resolved = resolve_device(device)
     if resolved.startswith("cuda"):
-        from .backends.cuda import check_cuda_runtime
-
         check_cuda_runtime()
     o = Options(
         device=resolved, cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(), **opts
@@ -93,8 +92,6 @@ LAYOUTS = ("auto", "nchw", "nhwc")
 def _check_option_values(opts: dict[str, object]) -> None:
     """Settings are checked here, before anything compiles: inside the compiler a bad value
     would look like a compiler failure and only make the model fall back."""
-    from .passes import pass_names
-
     known = pass_names()
     unknown = [p for p in opts.get("disable_passes", ()) if p not in known]  # type: ignore[union-attr]
     if unknown:
@@ -115,11 +112,6 @@ def _check_option_values(opts: dict[str, object]) -> None:
 
 def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor) -> Graph:
     """Lower ``model`` on ``example_inputs`` into the middleware's framework-neutral graph."""
-    from .frontends import trace as _trace
-
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     return _trace(model, example_inputs)
-
-
-from .runtime.module import OptimizedModule  # noqa: E402  (for the annotation above)

@@ -12,6 +12,12 @@ import argparse
 import sys
 from typing import Any
 
+import torch
+
+from .api import resolve_device
+from .models import load_model
+from .profiler import profile
+
 
 def add_parser(subparsers: Any) -> None:
     """Declare the ``profile`` subcommand on argparse ``subparsers``; sets ``func=main``."""
@@ -43,11 +49,6 @@ def add_parser(subparsers: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the ``profile`` subcommand; prints the side-by-side table, returns 0."""
-    import torch
-
-    import middleware
-    from middleware.api import resolve_device
-
     if args.batch < 1 or args.repeats < 1:
         print("error: --batch and --repeats must be at least 1", file=sys.stderr)
         return 2
@@ -58,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     x = torch.randn(args.batch, *sample, device=device)
     print(f"{name}: batch {args.batch}, input {'x'.join(map(str, sample))}, device {device}")
-    result = middleware.profile(model, x, repeats=args.repeats)
+    result = profile(model, x, repeats=args.repeats)
     text = str(result)
     if not args.steps:
         text = "\n".join(line for line in text.split("\n\n")[0].split("\n"))
@@ -84,7 +85,5 @@ def _parse_shape(text: str) -> tuple[int, ...]:
 
 def load(spec: str, input_shape: tuple[int, ...] | None = None) -> tuple[Any, str, tuple[int, ...]]:
     """(model in eval mode, its name, one sample's input shape) for a MODEL spec."""
-    from middleware.models import load_model
-
     loaded = load_model(spec, input_shape=input_shape)
     return loaded.model.eval(), loaded.name, tuple(loaded.input_shape)

@@ -449,14 +449,34 @@ def detect_cuda(cache_dir: Path | None, measure: bool = True, pinned: Any = None
     return cuda_hardware(props, measure_cuda(), pinned)
 
 
+def hardware_from_env() -> tuple[tuple[str, Any], ...] | None:
+    """``$MIDDLEWARE_HARDWARE``: a JSON object of ``Hardware`` fields that pins the figures
+    (e.g. ``{"peak_gflops": 500, "bandwidth_gbs": 40}``), as ``Options`` keeps it; None unset."""
+    text = os.environ.get("MIDDLEWARE_HARDWARE", "").strip()
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"$MIDDLEWARE_HARDWARE is not JSON ({e}): {text!r}") from None
+    return hardware_pin(data)
+
+
+def hardware_pin(value: Any) -> Hardware | tuple[tuple[str, Any], ...] | None:
+    """A pin, checked (unknown fields, implausible figures raise ValueError) and hashable:
+    a ``Hardware`` as it is, a mapping as sorted (field, value) pairs."""
+    if value is None:
+        return None
+    fields = pin_fields(value)
+    return value if isinstance(value, Hardware) else tuple(sorted(fields.items()))
+
+
 def detect(
     device: str, cache_dir: Path | None, measure: bool = True, pinned: Any = None
 ) -> Hardware:
     """The description of ``device`` ("cpu" or "cuda[:i]"). ``pinned``: the figures to use
-    (``Options.hardware``); None reads ``$MIDDLEWARE_HARDWARE`` (through options.py)."""
+    (``Options.hardware``); None reads ``$MIDDLEWARE_HARDWARE``."""
     if pinned is None:
-        from .options import hardware_from_env
-
         pinned = hardware_from_env()
     if device.startswith("cuda"):
         return detect_cuda(cache_dir, measure, pinned)

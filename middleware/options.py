@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from .hardware import Hardware, pin_fields
+from .hardware import hardware_from_env, hardware_pin
 
 
 def default_cache_dir() -> Path:
@@ -21,28 +20,6 @@ def default_cache_dir() -> Path:
     if xdg:
         return Path(xdg) / "middleware"
     return Path.home() / ".cache" / "middleware"
-
-
-def hardware_from_env() -> tuple[tuple[str, Any], ...] | None:
-    """``$MIDDLEWARE_HARDWARE``: a JSON object of ``Hardware`` fields that pins the figures
-    (e.g. ``{"peak_gflops": 500, "bandwidth_gbs": 40}``), as Options keeps it; None unset."""
-    text = os.environ.get("MIDDLEWARE_HARDWARE", "").strip()
-    if not text:
-        return None
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"$MIDDLEWARE_HARDWARE is not JSON ({e}): {text!r}") from None
-    return _hardware_pin(data)
-
-
-def _hardware_pin(value: Any) -> Hardware | tuple[tuple[str, Any], ...] | None:
-    """A pin, checked (unknown fields, implausible figures raise ValueError) and hashable:
-    a ``Hardware`` as it is, a mapping as sorted (field, value) pairs."""
-    if value is None:
-        return None
-    fields = pin_fields(value)
-    return value if isinstance(value, Hardware) else tuple(sorted(fields.items()))
 
 
 def check_memory_default() -> bool:
@@ -94,7 +71,7 @@ class Options:
 
     def __post_init__(self) -> None:
         # frozen: the checked, hashable form of the pin replaces what was passed
-        object.__setattr__(self, "hardware", _hardware_pin(self.hardware))
+        object.__setattr__(self, "hardware", hardware_pin(self.hardware))
 
     def codegen_key(self) -> str:
         """The settings that change generated code, as a stable string for cache keys."""

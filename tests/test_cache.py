@@ -169,7 +169,7 @@ def test_key_covers_everything_that_changes_the_binary(
     # meta only describes the kernel: not part of the key.
     assert cache.key(dataclasses.replace(req, meta={"group": 7})) == key
     # The package version and the compiler's version are part of the key.
-    monkeypatch.setattr(middleware, "__version__", "99.0")
+    monkeypatch.setattr(middleware.version, "__version__", "99.0")
     assert KernelCache(root).key(req) != key
     monkeypatch.undo()
     assert KernelCache(root).key(req) == key

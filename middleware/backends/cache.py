@@ -50,6 +50,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import version
 from ..errors import CompileError
 
 META_FILE = "meta.json"
@@ -156,9 +157,7 @@ def compiler_version(executable: str) -> str:
 
 
 def _package_version() -> str:
-    from .. import __version__
-
-    return __version__
+    return version.__version__  # read at call time: tests pin it
 
 
 def _folder_name(name: str, key: str) -> str:

@@ -25,6 +25,7 @@ from ..errors import (
 from ..graph import Graph
 from ..options import Options
 from .plan import Plan
+from .profile import ProfileResult, measure
 from .report import Report, ReportRow
 
 
@@ -631,12 +632,17 @@ class OptimizedModule(nn.Module):
         self._register(inputs, sig, entry)
         return entry
 
-    def profile(self, inputs: Sequence[torch.Tensor] | torch.Tensor, **kwargs: Any) -> Any:
+    def profile(
+        self,
+        inputs: Sequence[torch.Tensor] | torch.Tensor,
+        repeats: int = 5,
+        warmup: int = 1,
+        **options: Any,
+    ) -> ProfileResult:
         """Peak memory and latency of the original and this optimized model side by side
-        (``middleware.profile``); returns a ``ProfileResult``."""
-        from ..profiler import profile
-
-        return profile(self._original, inputs, optimized=self, **kwargs)
+        (``middleware.profile``); returns a ``ProfileResult``. ``options`` (settings of a
+        new ``optimize()``) do not apply: this module is optimized already."""
+        return measure(self._original, self, inputs, repeats=repeats, warmup=warmup)
 
     def extra_repr(self) -> str:
         return (

@@ -1,6 +1,7 @@
-"""The built-in profiler: peak memory and latency of the original and the optimized model.
+"""Measuring a model and its optimized form: peak memory and latency, side by side.
 
-``profile(model, inputs)`` runs both side by side and returns a :class:`ProfileResult`.
+:func:`measure` (``middleware.profile`` and ``OptimizedModule.profile`` call it) runs both
+and returns a :class:`ProfileResult`.
 Peak memory is *measured*, never estimated:
 
 - on CPU a :class:`LiveStorageTracker` (a ``TorchDispatchMode``) sees every tensor an
@@ -324,28 +325,22 @@ def _measure_peak_cuda(fn, inputs, persistent_io, params) -> tuple[int, int]:  #
     return _unique_bytes(params), peak + resident
 
 
-def profile(
+def measure(
     model: nn.Module,
+    optimized: Any,
     inputs: Sequence[torch.Tensor] | torch.Tensor,
-    optimized: Any = None,
     repeats: int = 5,
     warmup: int = 1,
-    **options: Any,
 ) -> ProfileResult:
-    """Measure ``model`` and its optimized form on ``inputs``: parameter bytes, peak I/O
-    bytes, peak total bytes, median latency over ``repeats`` calls, and per-step time and
-    bytes of the optimized plan.
+    """Measure ``model`` and ``optimized`` (its ``OptimizedModule``) on ``inputs``:
+    parameter bytes, peak I/O bytes, peak total bytes, median latency over ``repeats``
+    calls, and per-step time and bytes of the optimized plan.
 
-    ``optimized``: an existing ``OptimizedModule`` of ``model`` (else one is made with
-    ``middleware.optimize(model, device=<the inputs' device>, **options)``). Both models run
-    under ``torch.no_grad()``; the peaks are measured on a warm call (plans built).
+    Both models run under ``torch.no_grad()``; the peaks are measured on a warm call (plans
+    built).
     """
-    from .api import optimize
-
     inputs = _as_tuple(inputs)
     device = inputs[0].device if inputs else torch.device("cpu")
-    if optimized is None:
-        optimized = optimize(model, device=device.type, example_inputs=inputs, **options)
     with torch.no_grad():
         for _ in range(max(warmup, 1)):
             model(*inputs)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ... import version
 from ...graph import Graph
 from ...hardware import Hardware
 from ...options import Options
@@ -195,8 +196,6 @@ def group_key(
 ) -> str | None:
     """The group's index key (sha256 hex), or None when the group cannot be keyed (a node
     carries a payload, whose effect on codegen is not known here)."""
-    from ... import __version__
-
     inside = set(names)
     outs_graph = set(graph.output_values())
     nodes, values, params = [], {}, {}
@@ -237,7 +236,7 @@ def group_key(
         "escapes": escapes,
         "codegen_key": options.codegen_key(),
         "hardware": hardware.key(),
-        "package": __version__,
+        "package": version.__version__,
         "codegen": codegen_digest(),
         "cc": [cc, compiler_version_text(cc), list(C_FLAGS), host_id()],
     }
