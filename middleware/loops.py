@@ -320,7 +320,7 @@ def binary_loops(graph: Graph, node: Node) -> OpLoops:
     return OpLoops("pointwise", call(node.op, a, b))
 
 
-def _pair(v: Any) -> tuple[int, int]:
+def pair(v: Any) -> tuple[int, int]:
     if isinstance(v, int):
         return (v, v)
     v = tuple(v)
@@ -330,9 +330,9 @@ def _pair(v: Any) -> tuple[int, int]:
 def _pool_windows(graph: Graph, node: Node, dilation: tuple[int, int]) -> tuple[Window, ...]:
     x = node.inputs[0]
     in4 = logical4(graph.values[x])
-    k = _pair(node.attrs["kernel_size"])
-    s = _pair(node.attrs["stride"] or node.attrs["kernel_size"])
-    p = _pair(node.attrs["padding"])
+    k = pair(node.attrs["kernel_size"])
+    s = pair(node.attrs["stride"] or node.attrs["kernel_size"])
+    p = pair(node.attrs["padding"])
     out4 = _out4(graph, node)
     wins = []
     for i, dim in enumerate((2, 3)):
@@ -362,7 +362,7 @@ def _window_load(x: str, windows: Sequence[Window]) -> Load:
 
 
 def max_pool_loops(graph: Graph, node: Node) -> OpLoops:
-    wins = _pool_windows(graph, node, _pair(node.attrs.get("dilation", 1)))
+    wins = _pool_windows(graph, node, pair(node.attrs.get("dilation", 1)))
     return OpLoops(
         "reduce",
         Acc(),
@@ -444,7 +444,7 @@ def depthwise_conv2d_loops(graph: Graph, node: Node) -> OpLoops:
         raise NotFusable("only depthwise conv2d (groups == channels, no residual) is fusable")
     if w not in graph.params:
         raise NotFusable("conv weight is not a constant")
-    s, p, d = (_pair(node.attrs[a]) for a in ("stride", "padding", "dilation"))
+    s, p, d = (pair(node.attrs[a]) for a in ("stride", "padding", "dilation"))
     kh, kw = wt.shape[2], wt.shape[3]
     wins = tuple(
         Window(dim, s[i], d[i], -p[i], f"0 <= k < {(kh, kw)[i]}", taps=(kh, kw)[i])

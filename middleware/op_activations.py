@@ -1,0 +1,244 @@
+"""Registry entries of the activations: elementwise ops of one input, each with its
+reference, its scalar semantics (``pointwise``), its in-place ATen form and its spelling
+as a vendor post-op."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .enums import Bound
+from .graph import Node
+from .loops import Const, Expr, call, clamp
+from .op_registry import Kernel, OpDef, VendorPostOp, register
+
+
+# --------------------------------------------------------------------- activations
+def _unary(fn: Callable[..., Any]) -> Callable[[Node], Kernel]:
+    def make(node: Node) -> Kernel:
+        return fn
+
+    return make
+
+
+def _relu_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("max", x, Const(0.0))
+
+
+def _relu_(attrs: Mapping[str, Any]) -> Kernel:
+    return torch.relu_
+
+
+register(
+    OpDef(
+        "relu",
+        Bound.IO,
+        _unary(torch.relu),
+        elementwise=True,
+        monotone=True,
+        pointwise=_relu_expr,
+        inplace=_relu_,
+        post_op=VendorPostOp("relu", after_binary=True),
+    )
+)
+
+
+def _hardtanh(node: Node) -> Kernel:
+    lo, hi = float(node.attrs["min_val"]), float(node.attrs["max_val"])
+
+    def hardtanh(x):
+        return F.hardtanh(x, lo, hi)
+
+    return hardtanh
+
+
+def _hardtanh_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return clamp(x, float(attrs["min_val"]), float(attrs["max_val"]))
+
+
+def _hardtanh_(attrs: Mapping[str, Any]) -> Kernel:
+    lo, hi = float(attrs["min_val"]), float(attrs["max_val"])
+
+    def hardtanh_(x: torch.Tensor) -> torch.Tensor:
+        return F.hardtanh(x, lo, hi, inplace=True)
+
+    return hardtanh_
+
+
+# (relu6 is hardtanh(0, 6)); monotone unless min_val > max_val (a constant then)
+register(
+    OpDef(
+        "hardtanh",
+        Bound.IO,
+        _hardtanh,
+        elementwise=True,
+        monotone=True,
+        monotone_if=lambda a: float(a["min_val"]) <= float(a["max_val"]),
+        pointwise=_hardtanh_expr,
+        defaults={"min_val": -1.0, "max_val": 1.0},
+        inplace=_hardtanh_,
+        post_op=VendorPostOp("hardtanh", ("min_val", "max_val")),
+    )
+)
+
+
+def _leaky_relu(node: Node) -> Kernel:
+    slope = float(node.attrs["negative_slope"])
+
+    def leaky_relu(x):
+        return F.leaky_relu(x, slope)
+
+    return leaky_relu
+
+
+def _leaky_relu_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    s = float(attrs["negative_slope"])
+    return call("select", call("gt", x, Const(0.0)), x, call("mul", x, Const(s)))
+
+
+def _leaky_relu_(attrs: Mapping[str, Any]) -> Kernel:
+    slope = float(attrs["negative_slope"])
+
+    def leaky_relu_(x: torch.Tensor) -> torch.Tensor:
+        return F.leaky_relu(x, slope, inplace=True)
+
+    return leaky_relu_
+
+
+# monotone only for a positive slope: a slope of 0 maps -inf to NaN (-inf * 0), which a max
+# over the window's other elements would hide (merge_pool_relu)
+register(
+    OpDef(
+        "leaky_relu",
+        Bound.IO,
+        _leaky_relu,
+        elementwise=True,
+        monotone=True,
+        monotone_if=lambda a: float(a["negative_slope"]) > 0.0,
+        pointwise=_leaky_relu_expr,
+        defaults={"negative_slope": 0.01},
+        inplace=_leaky_relu_,
+        post_op=VendorPostOp("leaky_relu", ("negative_slope",)),
+    )
+)
+
+
+def _sigmoid_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("sigmoid", x)
+
+
+def _tanh_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("tanh", x)
+
+
+def _silu_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("mul", x, call("sigmoid", x))
+
+
+def _hardsigmoid_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("div", clamp(call("add", x, Const(3.0)), 0.0, 6.0), Const(6.0))
+
+
+def _hardswish_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("mul", x, _hardsigmoid_expr(attrs, x))
+
+
+def _inplace_of(fn: Kernel) -> Callable[[Mapping[str, Any]], Kernel]:
+    def make(attrs: Mapping[str, Any]) -> Kernel:
+        return fn
+
+    return make
+
+
+def _sigmoid_(x: torch.Tensor) -> torch.Tensor:
+    return x.sigmoid_()
+
+
+def _tanh_(x: torch.Tensor) -> torch.Tensor:
+    return x.tanh_()
+
+
+def _silu_(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x, inplace=True)
+
+
+def _hardswish_(x: torch.Tensor) -> torch.Tensor:
+    return F.hardswish(x, inplace=True)
+
+
+def _hardsigmoid_(x: torch.Tensor) -> torch.Tensor:
+    return F.hardsigmoid(x, inplace=True)
+
+
+# (name, reference, FLOPs per element, scalar semantics, in-place form, oneDNN post-op)
+for _name, _fn, _flops, _expr, _inplace, _onednn in (
+    ("sigmoid", torch.sigmoid, 4.0, _sigmoid_expr, _sigmoid_, "sigmoid"),
+    ("tanh", torch.tanh, 4.0, _tanh_expr, _tanh_, "tanh"),
+    ("silu", F.silu, 5.0, _silu_expr, _silu_, "swish"),
+    ("hardswish", F.hardswish, 4.0, _hardswish_expr, _hardswish_, "hardswish"),
+    ("hardsigmoid", F.hardsigmoid, 3.0, _hardsigmoid_expr, _hardsigmoid_, "hardsigmoid"),
+):
+    register(
+        OpDef(
+            _name,
+            Bound.IO,
+            _unary(_fn),
+            elementwise=True,
+            flops_per_elem=_flops,
+            pointwise=_expr,
+            inplace=_inplace_of(_inplace),
+            post_op=VendorPostOp(_onednn),
+        )
+    )
+
+
+def _gelu(node: Node) -> Kernel:
+    approximate = node.attrs["approximate"]
+
+    def gelu(x):
+        return F.gelu(x, approximate=approximate)
+
+    return gelu
+
+
+def _gelu_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    if attrs.get("approximate", "none") == "tanh":
+        inner = call(
+            "mul",
+            Const(math.sqrt(2.0 / math.pi)),
+            call("add", x, call("mul", Const(0.044715), call("mul", x, call("mul", x, x)))),
+        )
+        return call("mul", call("mul", Const(0.5), x), call("add", Const(1.0), call("tanh", inner)))
+    return call(
+        "mul",
+        call("mul", Const(0.5), x),
+        call("add", Const(1.0), call("erf", call("mul", x, Const(1.0 / math.sqrt(2.0))))),
+    )
+
+
+def _gelu_out_of_place(attrs: Mapping[str, Any]) -> Kernel:
+    approximate = str(attrs["approximate"])
+
+    def gelu(x: torch.Tensor) -> torch.Tensor:  # ATen has no in-place gelu
+        return F.gelu(x, approximate=approximate)
+
+    return gelu
+
+
+register(
+    OpDef(
+        "gelu",
+        Bound.IO,
+        _gelu,
+        elementwise=True,
+        flops_per_elem=8.0,
+        pointwise=_gelu_expr,
+        defaults={"approximate": "none"},
+        inplace=_gelu_out_of_place,
+        post_op=VendorPostOp("gelu", (), "approximate", ("none", "tanh")),
+    )
+)

@@ -1,0 +1,226 @@
+"""Registry entries that move data or none: cat, the views (flatten, reshape, permute,
+contiguous, split, identity, dropout), to_layout, and the fallback to the framework."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import loops
+from .enums import Bound
+from .graph import Node
+from .op_registry import Kernel, OpDef, register
+
+
+def _cat(node: Node) -> Kernel:
+    dim = node.attrs["dim"]
+
+    def cat(*xs):
+        return torch.cat(xs, dim)
+
+    return cat
+
+
+register(OpDef("cat", Bound.IO, _cat, flops_per_elem=0.0, loops=loops.cat_loops, per_sample=True))
+
+
+def _flatten(node: Node) -> Kernel:
+    s, e = node.attrs["start_dim"], node.attrs["end_dim"]
+
+    def flatten(x):
+        return torch.flatten(x, s, e)
+
+    return flatten
+
+
+register(
+    OpDef(
+        "flatten",
+        Bound.IO,
+        _flatten,
+        view_like=True,
+        flops_per_elem=0.0,
+        loops=loops.reshape_loops,
+        per_sample=True,
+    )
+)
+
+
+def _reshape(node: Node) -> Kernel:
+    shape = tuple(node.attrs["shape"])
+
+    def reshape(x):
+        return torch.reshape(x, shape)
+
+    return reshape
+
+
+register(
+    OpDef(
+        "reshape",
+        Bound.IO,
+        _reshape,
+        view_like=True,
+        flops_per_elem=0.0,
+        loops=loops.reshape_loops,
+        per_sample=True,
+    )
+)
+
+
+def _permute(node: Node) -> Kernel:
+    dims = tuple(node.attrs["dims"])
+
+    def permute(x):
+        return x.permute(dims)
+
+    return permute
+
+
+register(OpDef("permute", Bound.IO, _permute, view_like=True, flops_per_elem=0.0, per_sample=True))
+
+
+def _contiguous(node: Node) -> Kernel:
+    def contiguous(x):
+        return x.contiguous()
+
+    return contiguous
+
+
+register(
+    OpDef(
+        "contiguous",
+        Bound.IO,
+        _contiguous,
+        view_like=True,
+        flops_per_elem=0.0,
+        loops=loops.view_loops,
+        per_sample=True,
+    )
+)
+
+
+def _split(node: Node) -> Kernel:
+    sizes, dim = tuple(node.attrs["split_sizes"]), node.attrs["dim"]
+
+    def split(x):
+        # one piece is one output: a tensor, as every single-output kernel returns (the
+        # runtime would otherwise hand the caller a 1-tuple where it expects a tensor)
+        pieces = tuple(torch.split(x, sizes, dim))
+        return pieces if len(pieces) > 1 else pieces[0]
+
+    return split
+
+
+register(OpDef("split", Bound.IO, _split, view_like=True, flops_per_elem=0.0, per_sample=True))
+
+
+def _identity(node: Node) -> Kernel:
+    def identity(x):
+        return x
+
+    return identity
+
+
+# dropout in inference is the identity; kept as its own op so reports name it
+for _name in ("identity", "dropout"):
+    register(
+        OpDef(
+            _name,
+            Bound.IO,
+            _identity,
+            view_like=True,
+            flops_per_elem=0.0,
+            loops=loops.view_loops,
+            per_sample=True,
+        )
+    )
+
+
+def _to_layout(node: Node) -> Kernel:
+    """The value unchanged, stored in memory order ``layout`` ("nchw": contiguous, "nhwc":
+    channels_last; ranks other than 4 are made contiguous). Returns the input itself when it
+    is already stored so, and an ``as_strided`` alias of it where both orders are one
+    (C == 1 or H*W == 1): the buffer planner keeps such a result in its input's storage
+    class (``runtime.memory._shares_storage`` mirrors this rule). Inserted by the layout
+    pass at the graph's inputs and outputs and around ops that need one memory order."""
+    nhwc = node.attrs["layout"] == "nhwc"
+
+    def to_layout(x):
+        if x.dim() != 4:
+            return x.contiguous()
+        n, c, h, w = x.shape
+        if nhwc:
+            y, strides = x.contiguous(memory_format=torch.channels_last), (h * w * c, 1, w * c, c)
+        else:
+            y, strides = x.contiguous(), (c * h * w, h * w, w, 1)
+        if y.stride() != strides:  # C == 1 or H*W == 1: the same memory, restrided
+            y = y.as_strided(y.shape, strides, y.storage_offset())
+        return y
+
+    return to_layout
+
+
+# a change of memory order only: output element i is input element i; on logical
+# (n, c, h, w) indices the identity (each value's loads and stores follow its own layout)
+register(
+    OpDef(
+        "to_layout",
+        Bound.IO,
+        _to_layout,
+        elementwise=True,
+        flops_per_elem=0.0,
+        loops=loops.view_loops,
+    )
+)
+
+
+class ValueRef:
+    """Marks where the ``i``-th input tensor goes in a fallback call's argument template."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"${self.index}"
+
+
+def _fill(template: Any, values: Sequence[Any]) -> Any:
+    if isinstance(template, ValueRef):
+        return values[template.index]
+    if isinstance(template, tuple):
+        return tuple(_fill(t, values) for t in template)
+    if isinstance(template, list):
+        return [_fill(t, values) for t in template]
+    if isinstance(template, dict):
+        return {k: _fill(v, values) for k, v in template.items()}
+    if isinstance(template, slice):
+        return slice(
+            _fill(template.start, values),
+            _fill(template.stop, values),
+            _fill(template.step, values),
+        )
+    return template
+
+
+def _fallback(node: Node) -> Kernel:
+    fn = node.payload
+    args_t, kwargs_t = node.attrs["args"], node.attrs["kwargs"]
+    multi = len(node.outputs) > 1
+
+    def fallback(*values):
+        out = fn(*_fill(args_t, values), **_fill(kwargs_t, values))
+        if multi:
+            return tuple(out)
+        # a call returning a 1-tuple (split/chunk/unbind into one piece) has one output
+        return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+
+    return fallback
+
+
+# runs the original framework callable (module, function or method) unchanged
+register(OpDef("fallback", Bound.IO, _fallback, flops_fn=lambda n, i, o: 0.0))

@@ -1,0 +1,99 @@
+"""Registry entries of the layers with weights: conv2d, linear, matmul (compute- or
+param-bound; run by the vendor calls, a depthwise conv2d also generated)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import loops
+from .enums import Bound
+from .graph import Node, TensorType
+from .op_registry import Kernel, OpDef, activation_fn, register, with_post_op
+
+
+def conv_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
+    w = ins[1].shape  # (Cout, Cin/groups, kh, kw)
+    return 2.0 * outs[0].numel * w[1] * w[2] * w[3]
+
+
+def linear_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
+    return 2.0 * outs[0].numel * ins[1].shape[1]
+
+
+def post_op_fn(node: Node) -> Callable[[Any], Any] | None:
+    """The fused activation of a vendor call (``activation``/``activation_attrs`` attrs)."""
+    name = node.attrs.get("activation")
+    if not name:
+        return None
+    return activation_fn(name, dict(node.attrs.get("activation_attrs", ())))
+
+
+def _conv2d(node: Node) -> Kernel:
+    """Convolution, optionally with fused post-ops (the fuse_vendor_epilogue pass):
+    ``residual=True`` adds the last input after the bias, then ``activation`` applies:
+    ``y = act(conv(x, w) + b + residual)``, the order of oneDNN's sum and eltwise post-ops."""
+    stride, padding, dilation, groups = (
+        node.attrs["stride"],
+        node.attrs["padding"],
+        node.attrs["dilation"],
+        node.attrs["groups"],
+    )
+    residual = bool(node.attrs.get("residual", False))
+    has_bias = len(node.inputs) - int(residual) == 3
+    act = post_op_fn(node)
+    # ``output_layout="nhwc"``: the result is stored channels_last whatever the input's
+    # layout (the layout pass lets a network's first convolution read an NCHW input
+    # directly, as oneDNN does with a prepacked weight, instead of converting the input)
+    out_cl = node.attrs.get("output_layout") == "nhwc"
+
+    def conv2d(x, w, *rest):
+        b = rest[0] if has_bias else None
+        y = torch.conv2d(x, w, b, stride, padding, dilation, groups)
+        if residual:
+            y = y + rest[-1]
+        y = act(y) if act is not None else y
+        return y.contiguous(memory_format=torch.channels_last) if out_cl else y
+
+    return conv2d
+
+
+# generated only when depthwise (a sum window), with its fused activation
+register(
+    OpDef(
+        "conv2d",
+        Bound.COMPUTE,
+        _conv2d,
+        flops_fn=conv_flops,
+        loops=with_post_op(loops.depthwise_conv2d_loops),
+        per_sample=True,
+    )
+)
+
+
+def _linear(node: Node) -> Kernel:
+    """Fully connected layer, optionally with a fused ``activation`` (see ``_conv2d``)."""
+    act = post_op_fn(node)
+
+    def linear(x, w, b=None):
+        y = F.linear(x, w, b)
+        return act(y) if act is not None else y
+
+    return linear
+
+
+register(OpDef("linear", Bound.PARAM, _linear, flops_fn=linear_flops))
+
+
+def _matmul(node: Node) -> Kernel:
+    return torch.matmul
+
+
+def matmul_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
+    return 2.0 * outs[0].numel * ins[0].shape[-1]
+
+
+register(OpDef("matmul", Bound.COMPUTE, _matmul, flops_fn=matmul_flops))
