@@ -23,7 +23,19 @@ def _cat(node: Node) -> Kernel:
     return cat
 
 
-register(OpDef("cat", Bound.IO, _cat, flops_per_elem=0.0, loops=loops.cat_loops, per_sample=True))
+# torch.cat writes a contiguous result when its inputs' strides disagree: stride-strict
+register(
+    OpDef(
+        "cat",
+        Bound.IO,
+        _cat,
+        flops_per_elem=0.0,
+        loops=loops.cat_loops,
+        per_sample=True,
+        layout_preserving=True,
+        stride_strict=True,
+    )
+)
 
 
 def _flatten(node: Node) -> Kernel:
@@ -44,6 +56,7 @@ register(
         flops_per_elem=0.0,
         loops=loops.reshape_loops,
         per_sample=True,
+        strided_view=True,
     )
 )
 
@@ -66,6 +79,7 @@ register(
         flops_per_elem=0.0,
         loops=loops.reshape_loops,
         per_sample=True,
+        strided_view=True,
     )
 )
 
@@ -79,7 +93,17 @@ def _permute(node: Node) -> Kernel:
     return permute
 
 
-register(OpDef("permute", Bound.IO, _permute, view_like=True, flops_per_elem=0.0, per_sample=True))
+register(
+    OpDef(
+        "permute",
+        Bound.IO,
+        _permute,
+        view_like=True,
+        flops_per_elem=0.0,
+        per_sample=True,
+        strided_view=True,
+    )
+)
 
 
 def _contiguous(node: Node) -> Kernel:
@@ -114,7 +138,19 @@ def _split(node: Node) -> Kernel:
     return split
 
 
-register(OpDef("split", Bound.IO, _split, view_like=True, flops_per_elem=0.0, per_sample=True))
+# views of its input, in the input's memory order
+register(
+    OpDef(
+        "split",
+        Bound.IO,
+        _split,
+        view_like=True,
+        flops_per_elem=0.0,
+        per_sample=True,
+        layout_preserving=True,
+        strided_view=True,
+    )
+)
 
 
 def _identity(node: Node) -> Kernel:
@@ -135,6 +171,7 @@ for _name in ("identity", "dropout"):
             flops_per_elem=0.0,
             loops=loops.view_loops,
             per_sample=True,
+            layout_preserving=True,
         )
     )
 
@@ -173,6 +210,7 @@ register(
         elementwise=True,
         flops_per_elem=0.0,
         loops=loops.view_loops,
+        layout_preserving=False,  # sets its own order
     )
 )
 

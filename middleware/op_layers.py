@@ -70,6 +70,8 @@ register(
         flops_fn=conv_flops,
         loops=with_post_op(loops.depthwise_conv2d_loops),
         per_sample=True,
+        layout_preserving=True,
+        weight_inputs=frozenset({1}),
     )
 )
 
@@ -85,7 +87,7 @@ def _linear(node: Node) -> Kernel:
     return linear
 
 
-register(OpDef("linear", Bound.PARAM, _linear, flops_fn=linear_flops))
+register(OpDef("linear", Bound.PARAM, _linear, flops_fn=linear_flops, weight_inputs=frozenset({1})))
 
 
 def _matmul(node: Node) -> Kernel:

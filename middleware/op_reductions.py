@@ -3,7 +3,8 @@ max-pool with a merged activation), mean, softmax and log_softmax."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,7 @@ register(
         flops_fn=pool_flops,
         loops=loops.max_pool_loops,
         per_sample=True,
+        layout_preserving=True,
     )
 )
 
@@ -101,6 +103,7 @@ register(
         flops_fn=pool_flops,
         loops=loops.avg_pool_loops,
         per_sample=True,
+        layout_preserving=True,
     )
 )
 
@@ -135,6 +138,7 @@ for _name, _make in (
             flops_fn=pool_flops,
             loops=loops.adaptive_pool_loops,
             per_sample=True,
+            layout_preserving=True,
         )
     )
 
@@ -159,6 +163,7 @@ register(
         flops_fn=pool_flops,
         loops=with_post_op(loops.max_pool_loops),
         per_sample=True,
+        layout_preserving=True,
     )
 )
 
@@ -172,6 +177,20 @@ def _mean(node: Node) -> Kernel:
     return mean
 
 
+def _over_space(attrs: Mapping[str, Any]) -> bool:
+    """A mean over both spatial dims writes (N, C) or (N, C, 1, 1): the same in both orders."""
+    return {int(d) % 4 for d in attrs["dims"]} >= {2, 3}
+
+
 register(
-    OpDef("mean", Bound.IO, _mean, flops_fn=reduce_flops, loops=loops.mean_loops, per_sample=True)
+    OpDef(
+        "mean",
+        Bound.IO,
+        _mean,
+        flops_fn=reduce_flops,
+        loops=loops.mean_loops,
+        per_sample=True,
+        layout_preserving=True,
+        layout_preserving_if=_over_space,
+    )
 )

@@ -82,16 +82,36 @@ class OpDef:
     inplace: Callable[[Mapping[str, Any]], Kernel] | None = None
     # An activation's spelling as a vendor post-op (fuse_vendor_epilogue, vendor calls).
     post_op: VendorPostOp | None = None
+    # Layout (passes/layout.py): the reference keeps the memory order of its 4-d inputs in
+    # its 4-d outputs, in both layouts (None: the same as ``elementwise``), where
+    # ``layout_preserving_if`` accepts the attrs; every other op reads and writes "nchw"
+    # and the pass converts around it (checked op by op in tests/test_layout.py).
+    layout_preserving: bool | None = None
+    layout_preserving_if: Callable[[Mapping[str, Any]], bool] | None = None
+    # Its inputs must carry the declared strides even where the two orders coincide.
+    stride_strict: bool = False
+    # The reference may return a strided view of its input, dense in neither order.
+    strided_view: bool = False
+    # Input positions holding weights, which keep their layout (the vendor path prepacks).
+    weight_inputs: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.per_sample is None:
             object.__setattr__(self, "per_sample", self.elementwise)
+        if self.layout_preserving is None:
+            object.__setattr__(self, "layout_preserving", self.elementwise)
         if self.loops is None and self.pointwise is not None:
             object.__setattr__(self, "loops", loops.unary(self.pointwise))
 
     def is_monotone(self, attrs: Mapping[str, Any]) -> bool:
         """Monotone non-decreasing for these attrs (commutes with a max)."""
         return self.monotone and (self.monotone_if is None or self.monotone_if(attrs))
+
+    def keeps_layout(self, attrs: Mapping[str, Any]) -> bool:
+        """The reference keeps its input's memory order for these attrs."""
+        return bool(self.layout_preserving) and (
+            self.layout_preserving_if is None or self.layout_preserving_if(attrs)
+        )
 
     def bind(self, node: Node) -> Kernel:
         """The reference implementation specialised to ``node``'s attributes."""

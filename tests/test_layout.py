@@ -13,18 +13,17 @@ import pytest
 import torch
 import torch.nn as nn
 import torchvision.models as tvm
+
+import middleware
+from middleware.graph import Graph, Node, TensorType
+from middleware.hardware import Hardware
+from middleware.ops import CATALOGUE, get_op, infer_types
 from middleware.passes.layout import (
-    LAYOUT_PRESERVING,
     LAYOUT_RULES,
     assign_layout,
     layout_mismatches,
     network_layout,
 )
-
-import middleware
-from middleware.graph import Graph, Node, TensorType
-from middleware.hardware import Hardware
-from middleware.ops import get_op, infer_types
 
 CL = torch.channels_last
 
@@ -196,9 +195,17 @@ def test_cat_of_a_one_channel_branch_keeps_channels_last():
     _close(h.evaluate(a, b), g.evaluate(a, b))
 
 
+# the ops the registry calls layout-preserving whatever their attrs
+LAYOUT_PRESERVING = frozenset(
+    name
+    for name, op in CATALOGUE.items()
+    if op.layout_preserving and op.layout_preserving_if is None
+)
+
+
 @pytest.mark.parametrize("op", sorted(LAYOUT_PRESERVING - {"conv2d", "split", "cat"}))
 def test_layout_preserving_table(op):
-    """Each op the table calls layout-preserving keeps channels_last in its reference."""
+    """Each op the registry calls layout-preserving keeps channels_last in its reference."""
     attrs = {
         "batch_norm": dict(eps=1e-5),
         "hardtanh": dict(min_val=-0.5, max_val=0.5),

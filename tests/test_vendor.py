@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from fusion_helpers import conv_graph
+
 from middleware.backends.x86.vendor import (
     LINEAR_RULES,
     inplace_activation,
@@ -21,7 +22,6 @@ from middleware.backends.x86.vendor import (
     onednn_post_op,
     vendor_kernel,
 )
-
 from middleware.graph import Graph, Node, TensorType
 from middleware.ops import get_op, infer_types
 

@@ -22,64 +22,28 @@ The contract this pass guarantees (the fused-kernel generator and the vendor cal
 ``TensorType.layout``): running any node's reference implementation on inputs stored in
 their declared layouts gives outputs stored in their declared layouts (a value whose two
 memory orders coincide, C == 1 or H*W == 1, satisfies either). Outputs of the view ops
-(``VIEW_OPS``: split, permute, reshape, flatten) may be strided views of their input that
+(``OpDef.strided_view``: split, permute, reshape, flatten) may be strided views of their input that
 are dense in neither order (a channel slice, a transpose); where one is dense, it is dense
 in its declared layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..graph import Graph, Node, TensorType, flatten_tree, map_tree
 from ..hardware import Hardware
-from ..ops import CATALOGUE
+from ..ops import get_op
 
 # layout="auto": the network layout per device kind ("cuda_fp32": cuDNN without TF32)
 LAYOUT_RULES: dict[str, str] = {"cpu": "nhwc", "cuda": "nhwc", "cuda_fp32": "nchw"}
 
-# Ops whose reference implementation keeps the memory order of its 4-d inputs in its 4-d
-# outputs, in both layouts (checked op by op in tests/test_layout.py): every elementwise op
-# of the catalogue (to_layout sets its own order) and the ones listed. Every other op
-# (reshape, flatten, permute, contiguous, matmul, mean, softmax, linear on 4-d, fallback,
-# any non-elementwise op added later) is layout-sensitive: it reads and writes "nchw", and
-# the pass converts around it.
-LAYOUT_PRESERVING: frozenset[str] = frozenset(
-    name for name, op in CATALOGUE.items() if op.elementwise and name != "to_layout"
-) | {
-    "conv2d",
-    "max_pool2d",
-    "avg_pool2d",
-    "adaptive_avg_pool2d",
-    "adaptive_max_pool2d",
-    "maxpool_relu",
-    "cat",
-    "split",
-    "identity",
-    "dropout",
-}
-
-
-def _mean_over_space(node: Node) -> bool:
-    """A mean over both spatial dims writes (N, C) or (N, C, 1, 1): the same in both orders."""
-    return {int(d) % 4 for d in node.attrs["dims"]} >= {2, 3}
-
-
-# Ops that keep the memory order under a condition on their attrs.
-LAYOUT_PRESERVING_IF: dict[str, Callable[[Node], bool]] = {"mean": _mean_over_space}
-
-# Ops whose inputs must carry the declared strides even where the two orders coincide
-# (torch.cat writes a contiguous result when its inputs' strides disagree).
-STRIDE_STRICT: frozenset[str] = frozenset({"cat"})
-
-# ops whose reference may return a strided view of its input, dense in neither order
-VIEW_OPS: frozenset[str] = frozenset({"split", "permute", "reshape", "flatten"})
-
-# input positions that hold weights, which stay as they are (the vendor path prepacks them)
-WEIGHT_INPUTS: dict[str, frozenset[int]] = {"conv2d": frozenset({1}), "linear": frozenset({1})}
+# Which ops keep the memory order of their inputs (``OpDef.keeps_layout``), need their
+# inputs' declared strides (``stride_strict``), may answer with a strided view dense in
+# neither order (``strided_view``) and read weights that keep their layout
+# (``weight_inputs``) are facts of the op registry's entries.
 
 
 def network_layout(device_kind: str, option: str = "auto", tf32: bool | None = None) -> str:
@@ -288,13 +252,11 @@ class _Builder:
         if n.op == "to_layout":
             want_in: str | None = None
             want_out = str(n.attrs["layout"])
-        elif n.op in LAYOUT_PRESERVING or (
-            n.op in LAYOUT_PRESERVING_IF and LAYOUT_PRESERVING_IF[n.op](n)
-        ):
+        elif get_op(n.op).keeps_layout(n.attrs):
             want_in = want_out = mode
         else:
             want_in = want_out = "nchw"
-        weights = WEIGHT_INPUTS.get(n.op, frozenset())
+        weights = get_op(n.op).weight_inputs
         if n.op == "conv2d" and n.inputs[0] in self.direct and want_out == "nhwc":
             n = n.replace(attrs={**n.attrs, "output_layout": "nhwc"})
         ins = []
@@ -305,7 +267,7 @@ class _Builder:
                 ins.append(v)
                 continue
             if t.rank == 4 and want_in is not None and i not in weights and t.layout != want_in:
-                if not orders_coincide(t) or n.op in STRIDE_STRICT:
+                if not orders_coincide(t) or get_op(n.op).stride_strict:
                     v = self.convert(v, want_in)
             ins.append(v)
         types = []
@@ -323,8 +285,6 @@ def layout_mismatches(graph: Graph, *inputs: torch.Tensor) -> list[str]:
     """Run ``graph`` with the reference interpreter and list the values whose tensors are
     not stored in their declared layout (for tests and debugging; empty when the contract
     holds)."""
-    from ..ops import get_op
-
     bad: list[str] = []
     env: dict[str, Any] = dict(zip(graph.inputs, inputs, strict=True))
     for p, arr in graph.params.items():
@@ -343,7 +303,7 @@ def _check(graph: Graph, node: Node, v: str, t: Any, bad: list[str]) -> None:
     if not isinstance(t, torch.Tensor) or ty.rank != 4:
         return
     dense = {"nchw": t.is_contiguous(), "nhwc": t.is_contiguous(memory_format=torch.channels_last)}
-    if node.op in VIEW_OPS and not any(dense.values()):
+    if get_op(node.op).strided_view and not any(dense.values()):
         return  # a strided view, allowed for view ops
     if not dense[ty.layout]:
         bad.append(f"{v} ({node.op}): declared {ty.layout}, strides {tuple(t.stride())}")
