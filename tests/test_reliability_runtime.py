@@ -139,7 +139,7 @@ def test_per_call_weight_check_is_cheap() -> None:
     # mobilenet_v3_small has 244 parameters and buffers; the check reads their version
     # counters in one map. Measured ~10-25 us on a loaded 2-core machine; the bound only
     # catches a check that walks the module tree or touches the data.
-    from middleware.runtime.module import WeightSnapshot
+    from middleware.runtime.weights import WeightSnapshot
 
     models = pytest.importorskip("torchvision.models")
     snap = WeightSnapshot.take(models.mobilenet_v3_small().eval())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import operator
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -15,7 +14,6 @@ import torch.nn as nn
 
 from ..enums import RunsAs
 from ..errors import (
-    InputMismatchError,
     InputTypeError,
     InternalError,
     MiddlewareError,
@@ -24,58 +22,19 @@ from ..errors import (
 )
 from ..graph import Graph
 from ..options import Options
+from .inputs import (
+    InputSpec,
+    channels_last,
+    check_inputs,
+    dense,
+    first_line,
+    rejected,
+    unsupported_inputs,
+)
 from .plan import Plan
 from .profile import ProfileResult, measure
 from .report import Report, ReportRow
-
-
-@dataclasses.dataclass(frozen=True)
-class InputSpec:
-    """What a compiled model accepts for one input: the rank, the channel count (dim 1),
-    dtype and device are fixed; the batch and spatial sizes may change between calls."""
-
-    rank: int
-    channels: int | None
-    dtype: torch.dtype
-    device: torch.device
-
-    def describe(self) -> str:
-        dims = (
-            ["N"]
-            + ([str(self.channels)] if self.channels is not None else [])
-            + [f"d{i}" for i in range(2, self.rank)]
-        )
-        if self.rank == 1:
-            dims = ["N"]
-        return f"{str(self.dtype).replace('torch.', '')}[{', '.join(dims[: self.rank])}] on {self.device}"
-
-    @staticmethod
-    def of(x: torch.Tensor) -> InputSpec:
-        return InputSpec(x.dim(), int(x.shape[1]) if x.dim() >= 2 else None, x.dtype, x.device)
-
-
-def _cl(x: torch.Tensor) -> bool:
-    """Part of the signature: a 4-d input stored channels_last gets its own plan (which reads
-    it without conversion and returns channels_last outputs, as PyTorch would)."""
-    return (
-        x.dim() == 4
-        and not x.is_contiguous()
-        and x.is_contiguous(memory_format=torch.channels_last)
-    )
-
-
-def _dense(inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-    """Inputs stored neither contiguous nor channels_last (a transposed or sliced view) are
-    made contiguous: plans read their inputs in a declared layout."""
-    if all(x.is_contiguous() or _cl(x) for x in inputs):
-        return inputs
-    return tuple(x if x.is_contiguous() or _cl(x) else x.contiguous() for x in inputs)
-
-
-def _describe_tensor(x: Any) -> str:
-    if not isinstance(x, torch.Tensor):
-        return type(x).__name__
-    return f"{str(x.dtype).replace('torch.', '')}[{', '.join(map(str, x.shape))}] on {x.device}"
+from .weights import WeightSnapshot, describe_names, install_registration_hooks
 
 
 @dataclasses.dataclass
@@ -88,32 +47,6 @@ class Compiled:
     report: Report
 
 
-# ---------------------------------------------------------------- parameter tracking
-_VERSION = operator.attrgetter("_version")
-
-# Bumped whenever any nn.Module registers a parameter, buffer or submodule (``m.w =
-# nn.Parameter(...)``, ``load_state_dict(assign=True)``): replacing a tensor object moves no
-# version counter, and walking the model on every call would cost more than the check.
-_registrations = [0]
-_hooks_installed = False
-
-
-def _count_registration(*_: Any) -> None:
-    _registrations[0] += 1
-
-
-def _install_registration_hooks() -> None:
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    from torch.nn.modules import module as nn_module
-
-    nn_module.register_module_parameter_registration_hook(_count_registration)
-    nn_module.register_module_buffer_registration_hook(_count_registration)
-    nn_module.register_module_module_registration_hook(_count_registration)
-    _hooks_installed = True
-
-
 # Held around every compile in the process: the fx tracer patches nn.Module.__call__ and
 # __getattr__ globally while it traces, so two modules tracing at once (each under its own
 # lock) break each other ("module is not installed as a submodule"). Re-entrant: a model
@@ -122,120 +55,7 @@ def _install_registration_hooks() -> None:
 _GLOBAL_COMPILE_LOCK = threading.RLock()
 
 
-def _identity(t: torch.Tensor) -> tuple:
-    try:
-        ptr = t.data_ptr()
-    except RuntimeError:  # a tensor without plain storage (sparse): shape, dtype, device only
-        ptr = None
-    return (ptr, tuple(t.shape), t.dtype, t.device)
-
-
-def _version(t: torch.Tensor) -> int:
-    # Inference tensors (made under torch.inference_mode()) have no version counter.
-    return -1 if t.is_inference() else t._version
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightSnapshot:
-    """The user's parameters and buffers as the plans were built from them.
-
-    Plans hold copies of the weights (prepacked oneDNN weights, Winograd-transformed weights,
-    batch-norm folded into convolutions), so a change to the model must rebuild them.
-    ``current()`` is the per-call check: one map over the version counters, compared in one
-    go, and one integer; the identities (storage, shape, dtype, device) are compared only when
-    that fails and when a new signature compiles.
-    """
-
-    names: tuple[str, ...]
-    tensors: tuple[torch.Tensor, ...]
-    versions: tuple[int, ...]  # per name, -1 for an inference tensor
-    identities: tuple[tuple, ...]
-    epoch: int
-    tracked: tuple[torch.Tensor, ...]  # the tensors with a version counter
-    tracked_versions: tuple[int, ...]
-
-    @staticmethod
-    def take(model: nn.Module) -> WeightSnapshot:
-        named = list(model.named_parameters()) + list(model.named_buffers())
-        tensors = tuple(t for _, t in named)
-        tracked = tuple(t for t in tensors if not t.is_inference())
-        return WeightSnapshot(
-            names=tuple(n for n, _ in named),
-            tensors=tensors,
-            versions=tuple(map(_version, tensors)),
-            identities=tuple(map(_identity, tensors)),
-            epoch=_registrations[0],
-            tracked=tracked,
-            tracked_versions=tuple(map(_VERSION, tracked)),
-        )
-
-    def current(self) -> bool:
-        return (
-            _registrations[0] == self.epoch
-            and tuple(map(_VERSION, self.tracked)) == self.tracked_versions
-        )
-
-    def changed(self, now: WeightSnapshot) -> list[str]:
-        """Names of the tensors that differ between this snapshot and ``now`` (a replaced
-        tensor object, new or removed names, moved storage, or an in-place write)."""
-        if self.names != now.names:
-            return sorted(set(self.names) ^ set(now.names)) or ["(parameter order)"]
-        return [
-            name
-            for name, a, b, va, vb, ia, ib in zip(
-                self.names,
-                self.tensors,
-                now.tensors,
-                self.versions,
-                now.versions,
-                self.identities,
-                now.identities,
-                strict=True,
-            )
-            if a is not b or va != vb or ia != ib
-        ]
-
-
 _NOT_RUN = object()  # _compile's second result when it did not run the model itself
-
-
-def _unsupported_inputs(inputs: Sequence[torch.Tensor]) -> str | None:
-    """Why the compiler must not see these inputs, or None. Zero-size tensors crash deep in
-    the x86 scheduler (isl "cannot handle void expression" from isl_helpers.loop_bounds,
-    reached through backend.can_run -> schedule_group -> stage_loops) and there is nothing
-    to gain from compiling them."""
-    for i, x in enumerate(inputs):
-        if x.numel() == 0:
-            return (
-                f"input {i} ({_describe_tensor(x)}) has no elements; the compiler does not "
-                "schedule zero-size tensors, so this input signature runs as the original "
-                "PyTorch code"
-            )
-    return None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
-def _rejected(model: nn.Module, inputs: Sequence[torch.Tensor], err: Exception) -> MiddlewareError:
-    """The error for inputs the model itself refuses in eager PyTorch: what is wrong, the fix."""
-    name = type(model).__name__
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    for i, x in enumerate(inputs):
-        if len(dtypes) == 1 and x.dtype not in dtypes:
-            (want,) = dtypes
-            also = f" (or the model with model.to({x.dtype}))" if x.is_floating_point() else ""
-            return InputTypeError(
-                f"input {i} is {x.dtype} but {name}'s parameters are {want}: convert the input "
-                f"with x.to({want}){also}; PyTorch itself fails on it: {_first_line(err)}"
-            )
-    given = ", ".join(_describe_tensor(x) for x in inputs)
-    return InputMismatchError(
-        f"{name} rejects the input(s) ({given}) in eager PyTorch too: {_first_line(err)}; "
-        "pass inputs the original model accepts (rank, channels, sizes)"
-    )
 
 
 class OptimizedModule(nn.Module):
@@ -275,7 +95,7 @@ class OptimizedModule(nn.Module):
         self._weights: WeightSnapshot | None = None  # what the cached plans were built from
         self._rebuilds = 0  # how often plans were dropped because the weights changed
         self._rebuild_reason = ""  # the latest such change, for report()
-        _install_registration_hooks()
+        install_registration_hooks()
         if example_inputs is not None:
             inputs = (
                 tuple(example_inputs)
@@ -375,7 +195,7 @@ class OptimizedModule(nn.Module):
     # ------------------------------------------------------------------ calling
     @staticmethod
     def _signature(inputs: Sequence[torch.Tensor]) -> tuple:
-        return tuple((tuple(x.shape), x.dtype, x.device, _cl(x)) for x in inputs)
+        return tuple((tuple(x.shape), x.dtype, x.device, channels_last(x)) for x in inputs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._fallback_reason is not None:
@@ -385,8 +205,8 @@ class OptimizedModule(nn.Module):
                 f"keyword inputs ({', '.join(kwargs)}) are not supported; pass tensors positionally"
             )
         try:
-            inputs = _dense(inputs)
-            sig = tuple((tuple(x.shape), x.dtype, x.device, _cl(x)) for x in inputs)
+            inputs = dense(inputs)
+            sig = tuple((tuple(x.shape), x.dtype, x.device, channels_last(x)) for x in inputs)
         except AttributeError:
             self._check_types(inputs)
             raise
@@ -426,7 +246,7 @@ class OptimizedModule(nn.Module):
         if isinstance(failure, MiddlewareError) or getattr(self.options, "check_memory", False):
             raise failure  # raised on purpose, or a debug check the user asked to hear
         reason = self._internal_failure(
-            f"the plan failed while running ({_first_line(failure)}); this input signature "
+            f"the plan failed while running ({first_line(failure)}); this input signature "
             "runs as the original PyTorch code",
             failure,
             stacklevel=3,
@@ -451,7 +271,7 @@ class OptimizedModule(nn.Module):
             now = WeightSnapshot.take(self._original)
             changed = old.changed(now)
             if changed:
-                self._forget_plans(_names(changed))
+                self._forget_plans(describe_names(changed))
             else:
                 self._weights = now
 
@@ -464,47 +284,7 @@ class OptimizedModule(nn.Module):
         self._rebuild_reason = why
 
     def _check_types(self, inputs: Sequence[Any]) -> None:
-        expected = (
-            "" if self._specs is None else "(" + ", ".join(s.describe() for s in self._specs) + ")"
-        )
-        given = "(" + ", ".join(_describe_tensor(x) for x in inputs) + ")"
-        for i, x in enumerate(inputs):
-            if not isinstance(x, torch.Tensor):
-                raise InputTypeError(
-                    f"input {i} is a {type(x).__name__}; the optimized model takes tensors only"
-                    + (f"; signature expected {expected}, given {given}" if expected else "")
-                )
-        if self._specs is None:
-            return
-        if len(inputs) != len(self._specs):
-            raise InputMismatchError(
-                f"expected {len(self._specs)} inputs {expected}, got {len(inputs)}: {given}"
-            )
-        for i, (x, s) in enumerate(zip(inputs, self._specs, strict=True)):
-            if x.dim() != s.rank:
-                raise InputMismatchError(
-                    f"input {i}: expected rank {s.rank} ({s.describe()}), got rank {x.dim()} "
-                    f"({_describe_tensor(x)}); signature expected {expected}, given {given}"
-                    + _rank_fix(x.dim(), s.rank)
-                )
-            if s.channels is not None and int(x.shape[1]) != s.channels:
-                raise InputMismatchError(
-                    f"input {i}: expected {s.channels} channels ({s.describe()}), got "
-                    f"{int(x.shape[1])} ({_describe_tensor(x)}); signature expected {expected}, "
-                    f"given {given}"
-                )
-            if x.dtype != s.dtype:
-                raise InputTypeError(
-                    f"input {i}: expected dtype {s.dtype} ({s.describe()}), got {x.dtype}; "
-                    f"signature expected {expected}, given {given}; convert the input with "
-                    f"x.to({s.dtype})"
-                )
-            if x.device != s.device:
-                raise InputTypeError(
-                    f"input {i}: expected device {s.device} ({s.describe()}), got {x.device}; "
-                    f"move the input with .to('{s.device}'); signature expected {expected}, "
-                    f"given {given}"
-                )
+        check_inputs(self._specs, inputs)
 
     def _compile(self, inputs: Sequence[torch.Tensor], sig: tuple) -> tuple[Compiled | None, Any]:
         """Build (and cache) this signature's plan: (the entry, or None when the whole model
@@ -523,8 +303,8 @@ class OptimizedModule(nn.Module):
         if self._weights is not None:  # moved storage (p.data = ...) shows only here
             changed = self._weights.changed(before)
             if changed:
-                self._forget_plans(_names(changed))
-        reason = _unsupported_inputs(inputs)
+                self._forget_plans(describe_names(changed))
+        reason = unsupported_inputs(inputs)
         if reason is not None:
             return self._runs_as_original(inputs, sig, reason), _NOT_RUN
         saved = [(b, b.detach().clone()) for b in self._original.buffers()]
@@ -573,7 +353,7 @@ class OptimizedModule(nn.Module):
             for b, old in saved:
                 b.copy_(old)
         reason = (
-            f"forward() updates {_names(names)} in place (e.g. a counter buffer, or a "
+            f"forward() updates {describe_names(names)} in place (e.g. a counter buffer, or a "
             "BatchNorm with track_running_stats in training mode); a compiled plan cannot "
             "update them, so the model runs as the original PyTorch code. Put every "
             "submodule in eval mode (model.eval()) or move the update out of forward() to "
@@ -596,14 +376,14 @@ class OptimizedModule(nn.Module):
             with torch.no_grad():
                 out = self._original(*inputs)
         except Exception as model_error:  # noqa: BLE001 - re-raised as the user's error
-            raise _rejected(self._original, inputs, model_error) from model_error
+            raise rejected(self._original, inputs, model_error) from model_error
         if isinstance(failure, UnsupportedError):
             if self.options.strict:
                 raise failure
             self._fall_back(str(failure))
             return None, out
         reason = self._internal_failure(
-            f"the compiler failed on this input signature ({_first_line(failure)}); it runs "
+            f"the compiler failed on this input signature ({first_line(failure)}); it runs "
             "as the original PyTorch code",
             failure,
             stacklevel=4,
@@ -649,14 +429,3 @@ class OptimizedModule(nn.Module):
             f"original={type(self._original).__name__}, device={self.options.device!r}, "
             f"signatures={len(self._plans)}"
         )
-
-
-def _names(names: Sequence[str], limit: int = 3) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
-
-
-def _rank_fix(got: int, want: int) -> str:
-    if got == want - 1:
-        return "; add the batch dimension with x.unsqueeze(0)"
-    return f"; pass a {want}-d tensor"
