@@ -53,13 +53,14 @@ def _lazy(module: str, cls: str) -> Callable[[], Backend]:
     return make
 
 
-# Backends by name: each entry makes the backend object. "reference" (the schedule
-# interpreter of backends/reference/, a golden model for tests) registers itself through
-# register_backend, as any further backend may.
+# Backends by name: each entry makes the backend object. "reference" interprets schedules
+# in Python/numpy (backends/reference/, the golden model of the tests; no device default).
+# Further backends register through register_backend.
 BACKENDS: dict[str, Callable[[], Backend]] = {
     "x86": _lazy(".x86.backend", "X86Backend"),
     "ispc": _lazy(".x86.backend", "IspcBackend"),
     "cuda": _lazy(".cuda.backend", "CudaBackend"),
+    "reference": _lazy(".reference.backend", "ReferenceBackend"),
 }
 
 # The backend each device type runs on unless asked otherwise.
