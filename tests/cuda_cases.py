@@ -2,7 +2,10 @@
 
 Each case builds a graph in a given layout whose nodes all form one group; the group's
 outputs are the graph's outputs, so ``Graph.evaluate`` gives PyTorch's answer for exactly
-what the kernel computes. Shapes are odd on purpose: sizes that are no multiple of a warp,
+what the kernel computes. ``CASES`` render to one kernel each (the schedule of
+``passes/schedule.py``); ``FRAMEWORK_OPS`` are cases holding an op without loop semantics
+that the CUDA backend leaves to the framework (cuDNN/ATen), and ``SPLIT_CASES`` groups the
+group pass cuts into one kernel per output. Shapes are odd on purpose: sizes that are no multiple of a warp,
 1x1 and 2x2 spatial, windows larger than the input, ceil_mode edge windows, padding wider
 than half the window where PyTorch allows it.
 """
@@ -17,6 +20,8 @@ import torch
 from middleware.graph import Graph, Node, TensorType
 from middleware.hardware import Hardware
 from middleware.ops import infer_types
+from middleware.passes.schedule import schedule_group
+from middleware.passes.schedule_ir import Schedule
 
 # A GPU description for rendering without a GPU (an H100-like part, small enough figures
 # that the emulated grids stay short).
@@ -244,7 +249,7 @@ def _residual_add(lay: str) -> tuple[Graph, list[str]]:
     return b.done(b.node("relu", (b.node("add", (b.bn(x), y), alpha=1),)))
 
 
-CASES: dict[str, Callable[[str], tuple[Graph, list[str]]]] = {
+ALL_CASES: dict[str, Callable[[str], tuple[Graph, list[str]]]] = {
     "bn_relu_maxpool": _chain,
     "bn_relu_maxpool_ceil": _chain_ceil,
     "relu": _unary("relu"),
@@ -297,7 +302,42 @@ CASES: dict[str, Callable[[str], tuple[Graph, list[str]]]] = {
     "two_outputs": _two_outputs,
 }
 
+# case -> (the op of the case that has no loop semantics, so no generated kernel, and the
+# reason the report gives): the CUDA backend runs it through the framework (cuDNN/ATen)
+FRAMEWORK_OPS: dict[str, tuple[str, str]] = {
+    "softmax": ("softmax", "no loop semantics"),
+    "log_softmax": ("log_softmax", "no loop semantics"),
+    "channel_shuffle": ("split", "views only"),  # split, the 5-d reshape and the permute
+    "grouped_conv_relu": ("conv2d", "no loop semantics"),
+    "depthwise_residual": ("conv2d", "no loop semantics"),
+}
+# cases with several values read outside the group: one kernel per output
+SPLIT_CASES = ("two_outputs",)
+CASES = {k: v for k, v in ALL_CASES.items() if k not in FRAMEWORK_OPS and k not in SPLIT_CASES}
+
 LAYOUTS = ("nchw", "nhwc")
+
+
+def schedule_of(graph: Graph, names: list[str], hardware: Hardware = FAKE_GPU) -> Schedule:
+    """The backend-neutral schedule of a case's group (what the CUDA backend renders)."""
+    return schedule_group(graph, names, hardware)
+
+
+def special_inputs(graph: Graph, seed: int = 0, plus_inf: bool = True) -> list[torch.Tensor]:
+    """:func:`inputs_for` with NaN, +inf and -inf planted at seeded positions (about one
+    element in eight), to check PyTorch's NaN and infinity semantics. ``plus_inf=False``
+    plants -inf instead of +inf: erf-GELU(+inf) is NaN in PyTorch's vectorised CPU kernel
+    but +inf in its scalar path and mathematically (tests/test_nan_semantics.py)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for x in inputs_for(graph, seed):
+        flat = x.clone()
+        pick = torch.randint(0, 24, x.shape, generator=gen)
+        flat[pick == 0] = float("nan")
+        flat[pick == 1] = float("inf") if plus_inf else float("-inf")
+        flat[pick == 2] = float("-inf")
+        out.append(flat)
+    return out
 
 
 def inputs_for(graph: Graph, seed: int = 0, device: str = "cpu") -> list[torch.Tensor]:

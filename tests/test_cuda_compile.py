@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from cuda_cases import CASES, FAKE_GPU, LAYOUTS
+from cuda_cases import CASES, FAKE_GPU, LAYOUTS, schedule_of
+
 from middleware.backends.cuda.build import build, cubin_request, find_nvcc, nvrtc_available
-from middleware.backends.cuda.group import group_from_nodes
-from middleware.backends.cuda.render import launch_config, render_cuda, render_group
+from middleware.backends.cuda.render import launch_config, render_cuda, render_schedule
 
 NVCC = find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) is not installed")
@@ -26,8 +26,9 @@ def _all_kernels(layout: str) -> tuple[str, list[str]]:
     parts, kernels = [], []
     for i, case in enumerate(sorted(CASES)):
         graph, names = CASES[case](layout)
-        group = group_from_nodes(graph, names, name=f"{case}_{layout}")
-        rendered = render_group(group, FAKE_GPU, emulate=False)
+        rendered = render_schedule(
+            schedule_of(graph, names), FAKE_GPU, emulate=False, name=f"{case}_{layout}"
+        )
         parts.append(f"namespace case{i} {{\n{rendered.source}}}  // namespace case{i}\n")
         kernels.append(rendered.name)
     return "\n".join(parts), kernels
@@ -49,7 +50,7 @@ def test_every_kernel_compiles_with_nvcc(arch, layout, cache_dir):
 def test_one_kernel_per_file_through_the_cache(cache_dir):
     """The way the backend builds: one source, one cubin, named after the group."""
     graph, names = CASES["bn_relu_maxpool"]("nchw")
-    rendered = render_group(group_from_nodes(graph, names), FAKE_GPU, emulate=False)
+    rendered = render_schedule(schedule_of(graph, names), FAKE_GPU, emulate=False)
     req = cubin_request(rendered.name, rendered.source, "sm_90", compiler="nvcc")
     binary = build(req, cache_dir)
     assert binary.name == "kernel.cubin" and (binary.parent / "kernel.cu").read_text() == (
@@ -61,7 +62,7 @@ def test_one_kernel_per_file_through_the_cache(cache_dir):
 @pytest.mark.skipif(not nvrtc_available(), reason="cuda-python's NVRTC is not installed")
 def test_nvrtc_compiles_a_kernel(cache_dir):
     graph, names = CASES["bn_relu_maxpool"]("nhwc")
-    rendered = render_group(group_from_nodes(graph, names), FAKE_GPU, emulate=False)
+    rendered = render_schedule(schedule_of(graph, names), FAKE_GPU, emulate=False)
     req = cubin_request(rendered.name, rendered.source, "sm_90", compiler="nvrtc")
     assert req.command[1:3] == ("-m", "middleware.backends.cuda.nvrtc")
     data = build(req, cache_dir).read_bytes()
@@ -71,7 +72,7 @@ def test_nvrtc_compiles_a_kernel(cache_dir):
 @needs_nvcc
 def test_cache_key_holds_the_architecture(cache_dir):
     graph, names = CASES["relu"]("nchw")
-    src = render_cuda(group_from_nodes(graph, names), FAKE_GPU)
+    src = render_cuda(schedule_of(graph, names), FAKE_GPU)
     a = build(cubin_request("k", src, "sm_80", compiler="nvcc"), cache_dir)
     b = build(cubin_request("k", src, "sm_90", compiler="nvcc"), cache_dir)
     assert a != b and a.parent != b.parent
@@ -82,13 +83,13 @@ def test_cache_key_holds_the_architecture(cache_dir):
 def test_generated_source_is_sync_free_and_coalesced():
     """No barriers or shared memory; each output is walked in its memory order (the
     contiguous dim is the fastest-varying index of consecutive threads)."""
-    for layout, inner in (("nchw", "i3"), ("nhwc", "i1")):
+    for layout, inner in (("nchw", 3), ("nhwc", 1)):
         graph, names = CASES["bn_relu_maxpool"](layout)
-        src = render_group(group_from_nodes(graph, names), FAKE_GPU).source
+        src = render_schedule(schedule_of(graph, names), FAKE_GPU).source
         assert "__syncthreads" not in src and "__shared__" not in src
-        decomp = re.findall(r"const int (i\d) = \(int\)\((.*?)\);", src)
-        assert decomp[-1][0] == inner and decomp[-1][1] == "(r) % " + str(
-            graph.values[graph.output_values()[0]].shape[int(inner[1])]
+        decomp = re.findall(r"const int ([nchw]) = \(int\)\((.*?)\);", src)
+        assert decomp[-1][0] == "nchw"[inner] and decomp[-1][1] == "(r) % " + str(
+            graph.values[graph.output_values()[0]].shape[inner]
         )
 
 
@@ -100,8 +101,8 @@ def test_launch_config_comes_from_the_hardware():
     assert small.grid == 1 and small.total == 100
 
 
-def test_unsupported_group_is_refused():
-    from middleware.errors import UnsupportedError
+def test_group_without_loop_semantics_is_refused_with_the_reason():
+    from middleware.backends.cuda.units import why_unsupported
     from middleware.graph import Graph, Node, TensorType
     from middleware.ops import infer_types
 
@@ -111,42 +112,31 @@ def test_unsupported_group_is_refused():
     n = Node("fc", "linear", (x, w), ("y",), {})
     g.add_node(n, infer_types(g.values, n))
     g.set_outputs("y")
-    with pytest.raises(UnsupportedError, match="linear"):
-        render_group(group_from_nodes(g, ["fc"]), FAKE_GPU)
-
-
-def test_render_cuda_takes_the_shared_schedule():
-    """The backend-neutral schedule of the fusion pass renders to the same kernel as the
-    group of its layers (skipped until passes/schedule.py is in the tree)."""
-    schedule_mod = pytest.importorskip("middleware.passes.schedule")
-    graph, names = CASES["bn_relu_maxpool"]("nhwc")
-    schedule = schedule_mod.schedule_group(graph, names, FAKE_GPU)
-    src = render_cuda(schedule, FAKE_GPU, graph)
-    assert src == render_group(group_from_nodes(graph, names, schedule.name), FAKE_GPU).source
-
-
-def test_every_op_the_x86_backend_fuses_has_a_cuda_element_function():
-    """The CUDA backend renders whatever the shared loop semantics let x86 fuse."""
-    from middleware.backends.cuda.elements import supported_ops
-    from middleware.ops import CATALOGUE, has_loops
-
-    assert {n for n in CATALOGUE if has_loops(n)} <= set(supported_ops())
-
-
-def test_stacked_windows_are_refused_past_the_recompute_limit():
-    from cuda_cases import Builder, pool_attrs
-    from middleware.backends.cuda.elements import recompute_factor, why_unsupported
-
-    b = Builder("nchw")
-    x = b.input("x", (1, 2, 9, 9))
-    for _ in range(3):  # 3x3/1 pooling thrice: the first is recomputed 9 * 9 * 9 times
-        x = b.node("max_pool2d", (x,), **pool_attrs(3, 1, 1))
-    graph, names = b.done(x)
-    group = group_from_nodes(graph, names)
-    assert recompute_factor(group) == 729
-    assert "recompute" in why_unsupported(group)
+    reason = why_unsupported(g, ["fc"], FAKE_GPU)
+    assert "linear" in reason and "no loop semantics" in reason
     graph, names = CASES["bn_relu_maxpool"]("nchw")
-    assert why_unsupported(group_from_nodes(graph, names)) == ""
+    assert why_unsupported(graph, names, FAKE_GPU) == ""
+
+
+def test_kernel_is_rendered_from_the_shared_schedule():
+    """Every element function comes from a stage of the schedule: the stages' values are
+    the functions, the expressions are the loop semantics printed with the CUDA table (no
+    op is spelled by the backend)."""
+    graph, names = CASES["cat_pool"]("nhwc")
+    schedule = schedule_of(graph, names)
+    src = render_cuda(schedule, FAKE_GPU)
+    for st in schedule.stages:
+        assert f"e_{st.target}(" in src
+    assert sum(st.covers is not None for st in schedule.stages) == 2  # the concat's slices
+    assert src.count("if (") >= 2 and "mw_max(acc" in src and "mw_sigmoid(" in src
+
+
+def test_nan_propagating_max_is_used_for_relu_and_pooling():
+    """relu is max(x, 0) of the loop semantics, spelled mw_max (a NaN operand wins), as
+    max-pooling's reduction: never fmaxf, which drops a NaN."""
+    graph, names = CASES["bn_relu_maxpool"]("nchw")
+    src = render_cuda(schedule_of(graph, names), FAKE_GPU)
+    assert "fmaxf" not in src and src.count("mw_max(") >= 3
 
 
 @needs_nvcc
@@ -158,10 +148,19 @@ def test_epilogues_and_four_wide_kernels_compile_with_nvcc(arch, cache_dir):
     from middleware.backends.cuda.render import vector_width
 
     parts, names = [], []
-    acts = [None, "relu", "hardtanh", "hardswish", "silu", "sigmoid", "gelu", "leaky_relu"]
-    for i, act in enumerate(acts):
+    acts = {
+        None: (),
+        "relu": (),
+        "hardtanh": (("min_val", 0.0), ("max_val", 6.0)),
+        "hardswish": (),
+        "silu": (),
+        "sigmoid": (),
+        "gelu": (("approximate", "none"),),
+        "leaky_relu": (("negative_slope", 0.01),),
+    }
+    for i, (act, attrs) in enumerate(acts.items()):
         for layout, shape in (("nhwc", (2, 8, 5, 5)), ("nchw", (2, 3, 5, 5))):
-            ep = Epilogue(shape, layout, True, i % 2 == 0, act)
+            ep = Epilogue(shape, layout, True, i % 2 == 0, act, attrs)
             parts.append(f"namespace e{len(parts)} {{\n{render_epilogue(ep, FAKE_GPU)}}}\n")
             names.append(ep.name())
     source = "\n".join(parts)
@@ -176,7 +175,7 @@ def test_epilogues_and_four_wide_kernels_compile_with_nvcc(arch, cache_dir):
     x = b.input("x", (2, 8, 9, 7))
     y = b.node("relu", (b.bn(x),))
     g, ns = b.done(y)
-    wide = render_group(group_from_nodes(g, ns, name="wide"), FAKE_GPU, emulate=False)
-    assert vector_width(group_from_nodes(g, ns)) == 4 and "float4" in wide.source
+    wide = render_schedule(schedule_of(g, ns), FAKE_GPU, emulate=False, name="wide")
+    assert vector_width(schedule_of(g, ns)) == 4 and "float4" in wide.source
     cubin = build(cubin_request(f"wide_{arch}", wide.source, arch, compiler="nvcc"), cache_dir)
     assert wide.name.encode() in cubin.read_bytes()

@@ -1,8 +1,9 @@
 """Random I/O-bound chains (hypothesis): the emulated CUDA kernel equals PyTorch.
 
 Shapes, layouts and op parameters are drawn at random (seeded by hypothesis's database-free
-derandomised mode so CI is reproducible); each chain is rendered, compiled for the CPU
-emulation and compared with ``Graph.evaluate`` at rtol/atol 1e-5.
+derandomised mode so CI is reproducible); each chain's schedule (``passes/schedule.py``) is
+rendered, compiled for the CPU emulation and compared with ``Graph.evaluate`` at rtol/atol
+1e-5.
 """
 
 from __future__ import annotations
@@ -11,11 +12,19 @@ import shutil
 
 import pytest
 import torch
-from cuda_cases import FAKE_GPU, Builder, avg_attrs, inputs_for, kernel_args, pool_attrs
+from cuda_cases import (
+    FAKE_GPU,
+    Builder,
+    avg_attrs,
+    inputs_for,
+    kernel_args,
+    pool_attrs,
+    schedule_of,
+)
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from middleware.backends.cuda.group import group_from_nodes
-from middleware.backends.cuda.kernel import emulate_group
+
+from middleware.backends.cuda.kernel import emulate_schedule
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
 
@@ -94,9 +103,8 @@ def test_random_chain_matches_pytorch(chain, cache_dir):
     assume(built is not None)
     graph, names = built
     assume(all(s > 0 for v in graph.values.values() for s in v.shape))
-    group = group_from_nodes(graph, names)
-    kernel = emulate_group(group, FAKE_GPU, cache_dir)
+    kernel = emulate_schedule(schedule_of(graph, names), FAKE_GPU, cache_dir)
     inputs = inputs_for(graph, seed=2)
     expected = graph.evaluate(*inputs)
-    got = kernel(*kernel_args(graph, group.inputs, inputs))
+    got = kernel(*kernel_args(graph, kernel.rendered.inputs, inputs))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=str(chain))

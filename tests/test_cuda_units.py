@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn as nn
 from cuda_cases import FAKE_GPU
-from middleware.backends.cuda import check_cuda_runtime
-from middleware.backends.cuda.units import cuda_units, io_groups
-from middleware.runtime.plan import build_plan
 
 import middleware
+from middleware.backends.cuda import check_cuda_runtime
+from middleware.backends.cuda.units import cuda_units, generated_groups
 from middleware.errors import DeviceError
 from middleware.options import Options
+from middleware.runtime.plan import build_plan
 
 
 class SmallNet(nn.Module):
@@ -115,16 +115,18 @@ def test_small_net_planned_for_cuda_matches_pytorch(layout, tmp_path):
         torch.testing.assert_close(plan.run([xin]), model(x), rtol=1e-4, atol=1e-4)
 
 
-def test_io_groups_are_runs_of_supported_io_nodes():
+def test_groups_come_from_the_group_pass_for_the_gpu():
+    """A graph the passes did not group is grouped by passes/group.py for the device:
+    io runs, a global pool over more than 8 elements per output starting its own group."""
     graph = middleware.trace(SmallNet().eval(), torch.randn(1, 3, 8, 8))
-    groups = io_groups(graph)
+    groups = generated_groups(graph, FAKE_GPU)
     ops = [[graph.node(n).op for n in g] for g in groups]
     assert ops[0] == ["batch_norm", "relu", "max_pool2d"]
     # the 4x4 global pool (16 elements per output) reads the add's result from memory
     assert ["batch_norm", "hardswish", "add"] in ops
     assert ["adaptive_avg_pool2d", "flatten"] in ops
     small = middleware.trace(SmallNet().eval(), torch.randn(1, 3, 4, 4))  # a 2x2 pool
-    small_ops = [[small.node(n).op for n in g] for g in io_groups(small)]
+    small_ops = [[small.node(n).op for n in g] for g in generated_groups(small, FAKE_GPU)]
     assert ["batch_norm", "hardswish", "add", "adaptive_avg_pool2d", "flatten"] in small_ops
 
 
@@ -146,13 +148,13 @@ def _broken_renderer(monkeypatch):
 
     from middleware.backends.cuda import units
 
-    real = units.render_kernel
+    real = units.render_schedule
 
-    def broken(group, hardware, emulate=True, tiled=True):
-        r = real(group, hardware, emulate, tiled)
+    def broken(schedule, hardware, emulate=True, name=None):
+        r = real(schedule, hardware, emulate, name)
         return dataclasses.replace(r, source=r.source + "\n#error planted failure\n")
 
-    monkeypatch.setattr(units, "render_kernel", broken)
+    monkeypatch.setattr(units, "render_schedule", broken)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
@@ -182,29 +184,36 @@ def test_compile_failure_raises_when_strict(monkeypatch, tmp_path):
     assert "planted failure" in info.value.stderr and info.value.command
 
 
-def test_io_groups_follow_the_passes_groups():
-    """With group ids from the passes, a kernel never spans two groups."""
-    graph = middleware.trace(SmallNet().eval(), torch.randn(1, 3, 8, 8))
-    for i, n in enumerate(list(graph.nodes())):
-        graph.replace_node(n.name, n.replace(group=0 if i < 3 else 1))
-    groups = io_groups(graph)
-    for g in groups:
-        assert len({graph.node(n).group for n in g}) == 1
-    assert [graph.node(n).op for n in groups[0]] == ["batch_norm", "relu"]
-    assert [graph.node(n).op for n in groups[1]] == ["max_pool2d"]
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
+def test_units_take_the_passes_groups_as_they_are(tmp_path):
+    """The backend does not regroup: every generated unit is one io group of the passes
+    (here grouped for a CPU, without the GPU's own boundaries), whole."""
+    from middleware.passes import DEFAULT_HARDWARE
+    from middleware.passes.group import group, io_groups
+
+    graph = group(
+        middleware.trace(_randomise_bn(SmallNet()), torch.randn(1, 3, 8, 8)), DEFAULT_HARDWARE
+    )
+    options = Options(device="cuda", cache_dir=tmp_path, measure_hardware=False)
+    units = cuda_units(graph, options, FAKE_GPU, torch.device("cpu"), emulate=True)
+    generated = [tuple(u.nodes) for u in units if u.runs_as == "generated"]
+    assert generated and set(generated) <= {tuple(g) for g in io_groups(graph)}
 
 
 def test_long_reductions_are_left_to_the_framework():
-    """A global pool over a large map is not pulled into a generated group (one thread per
-    output would sum the whole map serially), a small one still is."""
-    from middleware.backends.cuda.units import MAX_SERIAL_REDUCTION, reduction_extent
+    """A global pool over a large map is a group of its own that runs through the
+    framework (one thread per output would sum the whole map serially), with the reason;
+    a small one is still generated."""
+    from middleware.backends.cuda.units import why_unsupported
+    from middleware.passes.group import MAX_SERIAL_REDUCTION, reduction_extent
 
     for hw, fused in ((24, False), (16, True)):  # 12x12 = 144 and 8x8 = 64 per output
         graph = middleware.trace(SmallNet().eval(), torch.randn(1, 3, hw, hw))
         (pool,) = [n for n in graph.nodes() if n.op == "adaptive_avg_pool2d"]
         assert (reduction_extent(graph, pool) <= MAX_SERIAL_REDUCTION) == fused
-        grouped = {n for g in io_groups(graph) for n in g}
-        assert (pool.name in grouped) == fused
+        (mine,) = [g for g in generated_groups(graph, FAKE_GPU) if pool.name in g]
+        reason = why_unsupported(graph, mine, FAKE_GPU)
+        assert (reason == "") == fused and (fused or "parallel reduction" in reason)
 
 
 def test_cuda_graph_capture_failure_runs_the_plan_step_by_step(monkeypatch):
@@ -228,43 +237,3 @@ def test_cuda_graph_capture_failure_runs_the_plan_step_by_step(monkeypatch):
         assert not wrapped.capture([x])
     torch.testing.assert_close(wrapped.run([x])[0], x * 2)
     assert wrapped.notes[0] == "planned" and "not permitted" in wrapped.notes[-1]
-
-
-def test_fastest_variant_is_measured_on_the_group_shapes(monkeypatch):
-    """The faster of two kernel variants is kept, timed on inputs of the group's shapes
-    (CUDA events stood in for by the host clock here)."""
-    import time
-
-    from middleware.backends.cuda.group import group_from_nodes
-    from middleware.backends.cuda.units import fastest
-
-    class Event:
-        def __init__(self, enable_timing=False):
-            self.t = 0.0
-
-        def record(self):
-            self.t = time.perf_counter()
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return (end.t - self.t) * 1e3
-
-    class Kernel:
-        def __init__(self, seconds):
-            self.seconds, self.shapes = seconds, []
-
-        def out(self, *tensors):
-            self.shapes.append(tuple(tuple(t.shape) for t in tensors))
-            time.sleep(self.seconds)
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    graph = middleware.trace(SmallNet().eval(), torch.randn(1, 3, 8, 8))
-    names = io_groups(graph)[0]
-    group = group_from_nodes(graph, names)
-    slow, quick = Kernel(0.004), Kernel(0.0005)
-    best, line = fastest({"slow": slow, "quick": quick}, graph, group, torch.device("cpu"))
-    assert best == "quick" and line.startswith("quick (measured: quick")
-    expected = tuple(tuple(group.types[v].shape) for v in (*group.inputs, *group.outputs))
-    assert set(quick.shapes) == {expected}

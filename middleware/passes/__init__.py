@@ -59,7 +59,7 @@ def make_pipeline(hardware: Hardware, layout: str = "auto") -> list[tuple[str, P
         ("fuse_vendor_epilogue", functools.partial(fuse_vendor_epilogue, hardware=hardware)),
         ("layout", functools.partial(assign_layout, hardware=hardware, layout=layout)),
         ("classify", functools.partial(classify, hardware=hardware)),
-        ("group", group),
+        ("group", functools.partial(group, hardware=hardware)),
     ]
 
 

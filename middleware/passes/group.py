@@ -12,17 +12,99 @@ Rule, over the nodes in topological order: a node joins the group of a producer 
 A node with several io producers first tries to merge all their groups with itself (a DAG
 group, e.g. the parts of a concat), then each one alone (the latest producer first).
 Compute and param nodes (vendor calls) start a group each.
+
+On a device that computes a group one thread per output element (``Hardware.kind``
+"cuda": every thread pulls its inputs through the whole group, recomputing what it needs),
+io groups also follow what that costs, so that the backend takes every group as it is:
+
+- an io node without loop semantics (no generated code: a dense convolution, softmax,
+  split, permute) or reducing more than ``MAX_SERIAL_REDUCTION`` elements per output (one
+  thread would reduce them serially; the framework's parallel reduction is faster) is a
+  group of its own, which the backend leaves to the framework;
+- a reduction over more than ``MAX_PULLED_REDUCTION`` elements per output starts a group
+  (it reads its input from memory instead of recomputing the producers for every element);
+- a window that would recompute some element of its group more than ``MAX_RECOMPUTE``
+  times (stacked overlapping windows) starts a group;
+- a group with several values read outside it is cut into consecutive pieces with one
+  each (a schedule computes one output).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 
 from ..graph import Graph, Node
-from ..ops import get_op
+from ..hardware import Hardware
+from ..loops import NotFusable, OpLoops, logical4
+from ..ops import get_op, loops_of
+
+# One thread sums a reduction's whole extent serially: mobilenet_v3_small's SE global
+# pools (56x56 maps, 3136 elements per output, pulling a depthwise convolution through)
+# took 4.7 ms of its 7.9 ms of kernel time on an H200 this way, ATen's parallel reduction
+# 7 us each. Past this extent a reduction runs through the framework.
+MAX_SERIAL_REDUCTION = 64
+# A reduction over more than this many elements per output reads its input from memory
+# instead of pulling the producers through: mobilenet_v3_small's 7x7 SE pools recomputed
+# a 5x5 depthwise convolution 49 times per thread (64 us for one such group on an H200),
+# while the convolution's output is written to memory for the SE multiply anyway.
+MAX_PULLED_REDUCTION = 8
+# A thread recomputes the producers of a window for every tap; stacked overlapping windows
+# multiply that work (3x3/1 pooling of 3x3/1 pooling recomputes the first 81 times).
+MAX_RECOMPUTE = 64.0
 
 
-def group(graph: Graph) -> Graph:
+def per_output_thread(hardware: Hardware | None) -> bool:
+    """Whether ``hardware`` runs a group one thread per output element (CUDA)."""
+    return hardware is not None and hardware.kind == "cuda"
+
+
+def _semantics(graph: Graph, n: Node) -> OpLoops | None:
+    try:
+        return loops_of(graph, n)
+    except NotFusable:
+        return None
+
+
+def reduction_extent(graph: Graph, n: Node) -> int:
+    """How many input elements one output element of ``n`` reduces along its adaptive
+    windows (global pools, means); 1 for pointwise ops, fixed windows and ops without loop
+    semantics."""
+    sem = _semantics(graph, n)
+    if sem is None or not sem.windows:
+        return 1
+    in4 = logical4(graph.values[n.inputs[0]])
+    out4 = logical4(graph.values[n.outputs[0]])
+    extent = 1
+    for win in sem.windows:
+        if not win.taps:  # adaptive: the widest window along this dim
+            extent *= -(-in4[win.dim] // max(out4[win.dim], 1))
+    return extent
+
+
+def overlap(graph: Graph, n: Node) -> float:
+    """How many output elements of ``n`` read each input element (1 for pointwise ops)."""
+    sem = _semantics(graph, n)
+    if sem is None:
+        return 1.0
+    return math.prod(win.reads_per_input for win in sem.windows)
+
+
+def io_groups(graph: Graph) -> list[list[str]]:
+    """The node names of every group whose nodes are all io, in the graph's order (the
+    groups set by :func:`group`)."""
+    groups: dict[int, list[str]] = {}
+    bad: set[int] = set()
+    for n in graph.nodes():
+        if n.group is None:
+            continue
+        groups.setdefault(n.group, []).append(n.name)
+        if n.bound != "io":
+            bad.add(n.group)
+    return [names for gid, names in groups.items() if gid not in bad]
+
+
+def group(graph: Graph, hardware: Hardware | None = None) -> Graph:
     """Set ``group`` (an int id) on every node and order the nodes group by group.
 
     Expects: ``bound`` set on every node by the classify pass (a node without one, when
@@ -30,7 +112,8 @@ def group(graph: Graph) -> Graph:
     Guarantees: every node has a group; the nodes of a group share one class, and form
     one contiguous run in the new graph's node order, which is still topological; the
     groups are numbered 0, 1, ... in that order; each group is convex; a fallback node is
-    alone in its group. The values, params and outputs are unchanged.
+    alone in its group. The values, params and outputs are unchanged. ``hardware``: the
+    device's description (one thread per output element on CUDA: see the module's doc).
     """
     nodes = [
         n if n.bound is not None else n.replace(bound=str(get_op(n.op).bound))
@@ -39,17 +122,90 @@ def group(graph: Graph) -> Graph:
     by_name = {n.name: n for n in nodes}
     position = {n.name: i for i, n in enumerate(nodes)}
     state = _Groups()
+    per_point = _PerPoint(graph) if per_output_thread(hardware) else None
     for n in nodes:
         producers = _producers(graph, n, by_name, position)
-        candidates = [p.name for p in producers if _joins(n, p)]
-        state.place(n.name, [p.name for p in producers], candidates)
+        candidates = [
+            p.name
+            for p in producers
+            if _joins(n, p) and (per_point is None or per_point.joins(n, p))
+        ]
+        gid = state.place(n.name, [p.name for p in producers], candidates)
+        if per_point is not None:
+            per_point.placed(n, [p for p in producers if state.of[p.name] == gid])
     order = state.order(nodes)
-    number = {g: i for i, g in enumerate(dict.fromkeys(state.of[n.name] for n in order))}
+    runs: list[list[Node]] = []
+    for n in order:  # the groups' nodes are contiguous in ``order``
+        if not runs or state.of[runs[-1][0].name] != state.of[n.name]:
+            runs.append([])
+        runs[-1].append(n)
+    if per_point is not None:
+        runs = [piece for run in runs for piece in _one_output_pieces(graph, run)]
     records = [
-        (n.replace(group=number[state.of[n.name]]), [graph.values[v] for v in n.outputs])
-        for n in order
+        (n.replace(group=i), [graph.values[v] for v in n.outputs])
+        for i, run in enumerate(runs)
+        for n in run
     ]
     return graph.rebuild(records)
+
+
+class _PerPoint:
+    """The grouping rules of one-thread-per-output devices (see the module's doc)."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.factor: dict[str, float] = {}  # node -> times its elements are computed
+
+    def alone(self, n: Node) -> bool:
+        return n.bound == "io" and (
+            _semantics(self.graph, n) is None
+            or reduction_extent(self.graph, n) > MAX_SERIAL_REDUCTION
+        )
+
+    def joins(self, n: Node, p: Node) -> bool:
+        if n.bound != "io":
+            return True
+        if self.alone(n) or self.alone(p):
+            return False
+        if reduction_extent(self.graph, n) > MAX_PULLED_REDUCTION:
+            return False
+        return self.factor.get(p.name, 1.0) * overlap(self.graph, n) <= MAX_RECOMPUTE
+
+    def placed(self, n: Node, same_group: list[Node]) -> None:
+        before = max((self.factor.get(p.name, 1.0) for p in same_group), default=1.0)
+        self.factor[n.name] = before * overlap(self.graph, n)
+
+
+def _one_output_pieces(graph: Graph, run: list[Node]) -> list[list[Node]]:
+    """``run`` (one group's nodes in order) cut into consecutive pieces whose only value
+    read outside the piece is the output of its last node (io groups only). Consecutive
+    pieces of a convex group stay convex and in topological order."""
+    if not run or run[0].bound != "io":
+        return [run]
+    outs = set(graph.output_values())
+    cuts: set[int] = set()
+    while True:
+        pieces: list[list[Node]] = [[]]
+        for i, n in enumerate(run):
+            pieces[-1].append(n)
+            if i in cuts:
+                pieces.append([])
+        pieces = [p for p in pieces if p]
+        new = set()
+        at = 0
+        for piece in pieces:
+            inside = {m.name for m in piece}
+            for k, m in enumerate(piece[:-1]):
+                read_out = any(
+                    v in outs or any(c.name not in inside for c in graph.consumers(v))
+                    for v in m.outputs
+                )
+                if read_out:
+                    new.add(at + k)
+            at += len(piece)
+        if not new - cuts:
+            return pieces
+        cuts |= new
 
 
 def _producers(

@@ -1,8 +1,11 @@
 """CUDA backend: depth-first kernels in CUDA C, cuDNN/cuBLAS via PyTorch.
 
-Stages: ``group.py`` (the group's boundary) -> ``render.py`` (jinja2 template, element
-functions from ``elements.py``) -> ``build.py`` (nvcc or NVRTC into the kernel cache) ->
-``loader.py`` (pycuda or cuda.bindings) -> ``kernel.py`` (a callable over torch tensors).
+Stages: the passes' groups and schedules (``passes/group.py``, ``passes/schedule.py``) ->
+``render.py`` (jinja2 template: one thread per output, element functions from the
+schedule's loop semantics, spelled with ``funcs.CUDA_FUNCS``) -> ``build.py`` (nvcc or
+NVRTC into the kernel cache) -> ``loader.py`` (pycuda or cuda.bindings) -> ``kernel.py``
+(a callable over torch tensors); ``units.py`` puts them in the plan with cuDNN/cuBLAS and
+the convolution epilogues (``epilogue.py``).
 ``emulate.h``/``emulate.py`` run the same generated source on the CPU for tests.
 """
 

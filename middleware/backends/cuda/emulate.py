@@ -34,5 +34,5 @@ class EmulatedLauncher:
 
 def emulated_launcher(rendered: RenderedKernel, cache_dir: Path) -> EmulatedLauncher:
     """Compile ``rendered`` for the CPU emulation (through the kernel cache) and load it."""
-    req = emulation_request(rendered.name, rendered.source, {"group": rendered.group.name})
+    req = emulation_request(rendered.name, rendered.source, {"group": rendered.schedule.name})
     return EmulatedLauncher(build(req, cache_dir), rendered.name)

@@ -5,8 +5,10 @@ Why: PyTorch runs a cuDNN convolution's bias as a separate broadcast add (a non-
 elementwise kernel in channels_last) and the activation as a third pass; on an H200 at
 batch 16 those two passes took 1.07 of vgg16's 3.44 ms of kernel time (``bench/gpu_diag.py``,
 eager channels_last). One vectorised pass reads and writes the output once instead of twice.
-The activation is spelled by the backend's scalar table (``scalar.UNARY``), so every
-activation the CUDA renderer knows can be fused.
+The activation is the registry's scalar semantics of the op (``ops.activation_expr``,
+the same expression the C backend and the fused groups use) printed with the backend's
+one function table (``funcs.CUDA_FUNCS``), so every activation with loop semantics can be
+fused.
 
 Each distinct (shape, layout, epilogue) is one small kernel compiled through the kernel
 cache like a group's kernel; only device pointers are passed, sizes are constants.
@@ -22,8 +24,10 @@ import torch
 
 from ...graph import Graph, Node
 from ...hardware import Hardware
+from ...loops import DIMS, Load, NotFusable
+from ...ops import activation_expr
+from .funcs import HELPERS, cuda_expr
 from .render import BLOCKS_PER_SM, WARPS_PER_BLOCK, environment
-from .scalar import unary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,11 @@ def conv_epilogue(graph: Graph, node: Node) -> Epilogue | None:
     act = node.attrs.get("activation")
     if not (has_bias or residual or act):
         return None
+    if act:
+        try:
+            activation(act, dict(node.attrs.get("activation_attrs", ())), "v")
+        except NotFusable:
+            return None  # no scalar semantics: PyTorch applies it after the convolution
     return Epilogue(
         tuple(out.shape),
         out.layout if out.layout == "nhwc" else "nchw",
@@ -80,6 +89,14 @@ def conv_epilogue(graph: Graph, node: Node) -> Epilogue | None:
         act,
         tuple(node.attrs.get("activation_attrs", ())),
     )
+
+
+def activation(name: str, attrs: dict[str, Any], x: str) -> str:
+    """CUDA C of activation ``name`` (its registry semantics) applied to the C variable
+    ``x``; raises ``NotFusable`` for an op without scalar semantics."""
+    placeholder = Load(x, DIMS)
+    expr = activation_expr(name, attrs, placeholder)
+    return cuda_expr(expr, lambda ld: ld.value, lambda p: "", acc=x)
 
 
 def launch_shape(ep: Epilogue, hardware: Hardware) -> tuple[int, int]:
@@ -93,7 +110,7 @@ def render_epilogue(ep: Epilogue, hardware: Hardware) -> str:
     """The CUDA C source of ``ep``'s in-place kernel (with the CPU emulation entry)."""
     grid, block = launch_shape(ep, hardware)
     _, c, h, w = ep.shape
-    act = unary(ep.activation, "v", dict(ep.activation_attrs)) if ep.activation else "v"
+    act = activation(ep.activation, dict(ep.activation_attrs), "v") if ep.activation else "v"
     formula = " + ".join(
         ["conv(x)"]
         + (["bias[c]"] if ep.has_bias else [])
@@ -116,6 +133,7 @@ def render_epilogue(ep: Epilogue, hardware: Hardware) -> str:
             has_bias=ep.has_bias,
             has_residual=ep.has_residual,
             act=act,
+            helpers=HELPERS,
             grid=grid,
             block=block,
         )

@@ -1,5 +1,5 @@
 """A generated CUDA kernel as a callable over framework tensors, and the backend's entry
-points: render -> compile -> load for one group.
+points: render -> compile -> load for one schedule (``passes/schedule.py``).
 
 Buffers: outputs are allocated with ``torch.empty`` on the inputs' device in the layout the
 graph gives them (channels_last for "nhwc"), so PyTorch's caching allocator owns every byte.
@@ -15,10 +15,9 @@ import torch
 
 from ...graph import TensorType
 from ...hardware import Hardware
+from ...passes.schedule_ir import Schedule
 from .build import build, cubin_request
-from .group import KernelGroup
-from .render import RenderedKernel
-from .tiled import render_kernel
+from .render import RenderedKernel, render_schedule
 
 
 class Launcher(Protocol):
@@ -80,24 +79,23 @@ class GeneratedKernel:
             dst.copy_(tmp)
 
 
-def compile_cuda_group(
-    group: KernelGroup,
+def compile_schedule(
+    schedule: Schedule,
     hardware: Hardware,
     cache_dir: Path,
     device: int = 0,
     key_extra: tuple[str, ...] = (),
     loader: str | None = None,
-    tiled: bool = True,
 ) -> GeneratedKernel:
-    """Render ``group``, compile it for ``hardware.arch`` through the kernel cache, load it
-    with pycuda or cuda.bindings on ``device``; a callable over CUDA tensors.
+    """Render ``schedule``, compile it for ``hardware.arch`` through the kernel cache, load
+    it with pycuda or cuda.bindings on ``device``; a callable over CUDA tensors.
 
     Raises ``UnsupportedError`` (cannot render), ``CompileError`` (nvcc/NVRTC failed) or
     ``DeviceError`` (no compiler or loader).
     """
     from .loader import LoadedKernel, get_loader
 
-    rendered = render_kernel(group, hardware, emulate=False, tiled=tiled)
+    rendered = render_schedule(schedule, hardware, emulate=False)
     req = cubin_request(
         rendered.name, rendered.source, hardware.arch or "sm_80", key_extra, meta=_meta(rendered)
     )
@@ -106,21 +104,21 @@ def compile_cuda_group(
     return GeneratedKernel(rendered, launcher)
 
 
-def emulate_group(
-    group: KernelGroup, hardware: Hardware, cache_dir: Path, tiled: bool = True
-) -> GeneratedKernel:
+def emulate_schedule(schedule: Schedule, hardware: Hardware, cache_dir: Path) -> GeneratedKernel:
     """The same kernel compiled for the CPU emulation: a callable over CPU tensors."""
     from .emulate import emulated_launcher
 
-    rendered = render_kernel(group, hardware, emulate=True, tiled=tiled)
+    rendered = render_schedule(schedule, hardware, emulate=True)
     return GeneratedKernel(rendered, emulated_launcher(rendered, cache_dir))
 
 
 def _meta(r: RenderedKernel) -> dict[str, Any]:
     return {
-        "group": r.group.name,
-        "layers": [n.name for n in r.group.nodes],
-        "shapes": {v: str(t) for v, t in r.group.types.items()},
+        "group": r.schedule.name,
+        "layers": list(r.schedule.layers),
+        "shapes": {
+            v: str(t) for v, t in zip(r.inputs + r.outputs, r.in_types + r.out_types, strict=True)
+        },
         "grid": r.launch.grid,
         "block": r.launch.block,
     }

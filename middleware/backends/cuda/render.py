@@ -1,29 +1,37 @@
-"""Render an I/O-bound group to one CUDA C kernel (jinja2 template ``kernel.cu.j2``).
+"""Render a backend-neutral :class:`~middleware.passes.schedule_ir.Schedule` to one CUDA C
+kernel (jinja2 template ``kernel.cu.j2``).
 
-The mapping onto the GPU: the group's outputs are laid end to end in one index space, each
-output in its own memory order (the contiguous dimension fastest, so that a warp's 32
-threads read and write 32 neighbouring elements: coalesced in both layouts). One thread
-computes one output element depth-first through every layer (see ``elements.py``); a
-grid-stride loop covers the space. Block size and grid size come from the ``Hardware``
-description (warp size, streaming multiprocessor count). Kernels use no shared memory and
-no ``__syncthreads``: threads never wait for each other, which is also what lets the CPU
-emulation (``emulate.h``) run them thread after thread.
+The mapping onto the GPU: one thread per element of the schedule's output, walked in the
+output's memory order (the contiguous dimension fastest, so that a warp's 32 threads read
+and write 32 neighbouring elements: coalesced in both layouts); a grid-stride loop covers
+the output. Every stage's target becomes a ``__device__`` element function of
+``(n, c, h, w)`` computing the stage's expression (with its reduction: ``init``, ``op`` over
+the body at the ``point_loops`` taps, the divisor); a stage that covers only part of its
+target (a concat slice, ``Stage.covers``) is taken where its condition holds. A load of a
+group input reads global memory at the buffer's layout strides; a load of another stage's
+value calls that stage's element function at the load's index, which nvcc inlines: the
+depth-first recompute. Expressions are printed with the backend's one function table
+(``funcs.CUDA_FUNCS``). Kernels use no shared memory and no ``__syncthreads``: threads
+never wait for each other, which is also what lets the CPU emulation (``emulate.h``) run
+them thread after thread. Block and grid sizes come from the ``Hardware`` description.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import jinja2
 
 from ...errors import UnsupportedError
+from ...graph import TensorType
 from ...hardware import Hardware
+from ...loops import DIMS, Acc, Load, ParamVec, leaves
 from ...ops import get_op
-from .elements import cident, element_functions, memory_order, why_unsupported
-from .group import KernelGroup
+from ...passes.schedule_ir import ORDER, Buffer, Schedule, Stage
+from .funcs import HELPERS, cuda_expr, flt, index_c
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -32,6 +40,12 @@ TEMPLATES = Path(__file__).parent / "templates"
 WARPS_PER_BLOCK = 8
 # Grid-stride: at most this many blocks per SM (more gives nothing but launch overhead).
 BLOCKS_PER_SM = 32
+# Outputs per thread along the innermost memory dimension, where that dimension's size is
+# a multiple of it: one index decomposition per 4 elements, 4 independent element
+# computations in flight, a float4 store where the address is aligned. (On an H200 the
+# BN -> ReLU kernel moved 51% of the copy bandwidth one element per thread, instruction-
+# bound; 83% with 4 per thread and the batch-norm as a multiply-add.)
+VECTOR = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,18 +59,19 @@ class LaunchConfig:
 class RenderedKernel:
     """A kernel's source and everything needed to launch it.
 
-    ``inputs`` and ``outputs`` name the group's values in kernel-argument order (inputs
-    first); ``out_types`` are the outputs' types (the caller allocates them in that layout).
+    ``inputs`` and ``outputs`` name the graph values in kernel-argument order (inputs
+    first); ``in_types``/``out_types`` their types (the caller allocates outputs in that
+    layout); ``schedule`` is the schedule rendered.
     """
 
     name: str
     source: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    in_types: tuple[Any, ...]
-    out_types: tuple[Any, ...]
+    in_types: tuple[TensorType, ...]
+    out_types: tuple[TensorType, ...]
     launch: LaunchConfig
-    group: KernelGroup
+    schedule: Schedule
 
 
 @cache
@@ -81,27 +96,155 @@ def launch_config(total: int, hardware: Hardware) -> LaunchConfig:
     return LaunchConfig(grid, block, total)
 
 
-# Outputs per thread along the innermost memory dimension, where that dimension's size is
-# a multiple of it: one index decomposition per 4 elements, 4 independent element
-# computations in flight, a float4 store where the address is aligned. (On an H200 the
-# BN -> ReLU kernel moved 51% of the copy bandwidth one element per thread, instruction-
-# bound; 83% with 4 per thread and the batch-norm as a multiply-add.)
-VECTOR = 4
+# ----------------------------------------------------------------------- identifiers
+# Identifiers from the user's graph get their own namespace: buffers ``v_<name>``, their
+# element functions ``e_<name>``, constant vectors ``p_<name>``. The kernel's own names
+# (n, c, h, w, k_h, k_w, a, q, r, o, v0.., acc, acc_v, step, the mw_* helpers) start with
+# none of these prefixes.
+_NOT_IDENT = re.compile(r"[^0-9A-Za-z_]")
 
 
-def vector_width(group: KernelGroup) -> int:
-    """``VECTOR`` when every node is elementwise and every output's innermost memory
-    dimension is a multiple of it. A window over the innermost dimension would spread a
-    warp's loads 4x wider (3x3/2 max-pooling on an H200: 24.4 -> 34.1 us), so groups with
-    windows, concats or reshapes keep one element per thread."""
-    if not all(get_op(n.op).elementwise for n in group.nodes):
+def buffer_ident(name: str) -> str:
+    return "v_" + _NOT_IDENT.sub("_", name)
+
+
+def function_ident(name: str) -> str:
+    return "e_" + _NOT_IDENT.sub("_", name)
+
+
+def param_ident(name: str) -> str:
+    return "p_" + _NOT_IDENT.sub("_", name)
+
+
+def comment(text: str) -> str:
+    """``text`` safe inside a ``//`` comment line."""
+    return text.replace("\n", " ")
+
+
+def kernel_name(schedule: Schedule, name: str | None = None) -> str:
+    """The kernel's C name: ``mw_`` and the schedule's name (or ``name``)."""
+    return ("mw_" + _NOT_IDENT.sub("_", name or schedule.name))[:120]
+
+
+def tensor_type(b: Buffer) -> TensorType:
+    """The framework type of a global buffer (its real shape, its memory layout)."""
+    return TensorType(
+        tuple(b.torch_shape), "float32", b.layout if len(b.torch_shape) == 4 else "nchw"
+    )
+
+
+# ----------------------------------------------------------------------- elements
+class _Printer:
+    """CUDA C text of a schedule's expressions: loads of group inputs read memory, loads
+    of stage values call their element functions, constants come from the params."""
+
+    def __init__(self, s: Schedule) -> None:
+        self.s = s
+        self.by_value = {b.value: b for b in s.buffers}
+
+    def load(self, x: Load) -> str:
+        b = self.by_value.get(x.value)
+        if b is None:
+            raise UnsupportedError(f"load of {x.value}, which the schedule does not hold")
+        index = [index_c(i) for i in x.index]
+        if b.role != "input":
+            return f"{function_ident(b.name)}(a, {', '.join(index)})"
+        wide = b.elements >= 2**31
+        terms = []
+        for d, stride in enumerate(b.strides):
+            if b.extent[d] == 1:
+                continue
+            ix = f"(long long){index[d]}" if wide else index[d]
+            terms.append(ix if stride == 1 else f"{ix} * {stride}")
+        return f"a.{buffer_ident(b.name)}[{' + '.join(terms) or '0'}]"
+
+    @staticmethod
+    def param(p: ParamVec) -> str:
+        return f"{param_ident(p.name)}[{index_c(p.index)}]"
+
+    def expr(self, e: object, acc: str = "acc_v") -> str:
+        return cuda_expr(e, self.load, self.param, acc)  # type: ignore[arg-type]
+
+    def stage(self, st: Stage) -> list[str]:
+        """Lines computing one element of ``st``'s target at (n, c, h, w), ending in a
+        ``return``."""
+        red = st.reduction
+        if red is None:
+            return [f"return {self.expr(st.expr)};"]
+        if red.op not in ("max", "sum"):
+            raise UnsupportedError(f"stage {st.name}: reduction {red.op!r}")
+        lines = [f"float acc = {flt(red.init)};"]
+        depth = 0
+        for lp in red.point_loops:
+            pad = "  " * depth
+            lo, hi = index_c(lp.lo), index_c(lp.hi)
+            lines.append(f"{pad}for (int {lp.var} = {lo}; {lp.var} <= {hi}; ++{lp.var}) {{")
+            depth += 1
+        body = self.expr(red.body)
+        step = f"mw_max(acc, {body})" if red.op == "max" else f"acc + {body}"
+        lines.append("  " * depth + f"acc = {step};")
+        for d in reversed(range(depth)):
+            lines.append("  " * d + "}")
+        if red.divisor is not None:
+            lines.append(f"const float acc_v = acc / (float){index_c(red.divisor)};")
+        else:
+            lines.append("const float acc_v = acc;")
+        lines.append(f"return {self.expr(st.expr)};")
+        return lines
+
+
+def _uses_acc(st: Stage) -> bool:
+    return any(isinstance(x, Acc) for x in leaves(st.expr))
+
+
+def element_functions(s: Schedule) -> list[dict]:
+    """One element function per buffer a stage computes, in stage order (a function is
+    defined before the stages that call it)."""
+    pr = _Printer(s)
+    by_target: dict[str, list[Stage]] = {}
+    for st in s.stages:
+        if st.reduction is None and _uses_acc(st):
+            raise UnsupportedError(f"stage {st.name} reads an accumulator it has not")
+        by_target.setdefault(st.target, []).append(st)
+    out = []
+    for target, stages in by_target.items():
+        b = s.buffer(target)
+        body: list[str] = []
+        covered = False
+        for st in stages:
+            cond = st.covers
+            lines = pr.stage(st)
+            body.append(f"// {comment(st.name)}")
+            if cond is None:
+                body += lines
+                covered = True
+                break
+            body.append(f"if ({index_c(cond)}) {{")
+            body += ["  " + line for line in lines]
+            body.append("}")
+        if not covered:
+            body.append("return 0.0f;  // no stage covers this element (never reached)")
+        out.append(
+            {
+                "fname": function_ident(b.name),
+                "body": body,
+                "comment": f"{b.value}: {b.role}, logical {'x'.join(map(str, b.shape))}",
+            }
+        )
+    return out
+
+
+# ------------------------------------------------------------------------- kernel
+def vector_width(s: Schedule) -> int:
+    """``VECTOR`` when every op of the schedule is elementwise and the output's innermost
+    memory dimension is a multiple of it. A window over the innermost dimension would
+    spread a warp's loads 4x wider (3x3/2 max-pooling on an H200: 24.4 -> 34.1 us), so
+    schedules with windows, concats or reshapes keep one element per thread."""
+    if not all(get_op(op).elementwise for op in s.ops):
         return 1
-    for v in group.outputs:
-        t = group.types[v]
-        order = memory_order(t)
-        if t.rank == 0 or t.shape[order[-1]] % VECTOR:
-            return 1
-    return VECTOR
+    out = s.buffer(s.outputs[0])
+    inner = ORDER[out.layout][-1]
+    return VECTOR if out.shape[inner] % VECTOR == 0 else 1
 
 
 def _decompose(shape: tuple[int, ...], order: tuple[int, ...]) -> list[dict[str, str]]:
@@ -112,82 +255,66 @@ def _decompose(shape: tuple[int, ...], order: tuple[int, ...]) -> list[dict[str,
         d = order[pos]
         div = "r" if inner == 1 else f"r / {inner}"
         expr = div if pos == 0 else f"({div}) % {shape[d]}"
-        out.append({"name": f"i{d}", "expr": "0" if shape[d] == 1 else expr})
+        out.append({"name": DIMS[d], "expr": "0" if shape[d] == 1 else expr})
         inner *= shape[d]
     return list(reversed(out))
 
 
-def value_names(group: KernelGroup, taken: set[str]) -> dict[str, str]:
-    """A unique C identifier for every value of ``group`` (inputs, then node outputs),
-    none of them in ``taken`` (the kernel's own names), which they join."""
-    names: dict[str, str] = {}
-    for v in group.inputs:
-        names[v] = cident(v, taken)
-    for n in group.nodes:
-        for v in n.outputs:
-            names[v] = cident(v, taken)
-    return names
+def _param_text(p: ParamVec, per_line: int = 6) -> str:
+    vals = [flt(v) for v in p.data]
+    rows = [", ".join(vals[i : i + per_line]) for i in range(0, len(vals), per_line)]
+    return ",\n".join("  " + r for r in rows)
 
 
-def kernel_name(group: KernelGroup) -> str:
-    base = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in group.name)
-    return f"mw_{base}"[:120]
+def render_schedule(
+    s: Schedule, hardware: Hardware, emulate: bool = True, name: str | None = None
+) -> RenderedKernel:
+    """The CUDA C source of schedule ``s`` and its launch configuration; ``name`` names
+    the kernel instead of the schedule's name (kernels sharing one library).
 
-
-def render_group(group: KernelGroup, hardware: Hardware, emulate: bool = True) -> RenderedKernel:
-    """The CUDA C source of ``group`` and its launch configuration.
-
-    Raises ``UnsupportedError`` when an op of the group has no element function or a value
-    is not float32. ``emulate`` adds the ``#ifdef MW_EMULATE`` CPU entry point (ignored by
-    nvcc).
+    Raises ``UnsupportedError`` when the schedule holds something this renderer cannot
+    print (a function without a CUDA spelling, a reduction without its point loops).
+    ``emulate`` adds the ``#ifdef MW_EMULATE`` CPU entry point (ignored by nvcc).
     """
-    reason = why_unsupported(group)
-    if reason:
-        raise UnsupportedError(f"group {group.name}: {reason}")
-    if not group.outputs:
-        raise UnsupportedError(f"group {group.name} writes nothing")
-    names = value_names(group, {"a", "idx", "r", "step"})
-    functions = element_functions(group, names)
-    vec = vector_width(group)
-    total, outs = 0, []
-    for v in group.outputs:
-        t = group.types[v]
-        order = memory_order(t)
-        coords = [f"i{d}" for d in range(t.rank)]
-        calls = []
-        for k in range(vec):
-            args = list(coords)
-            if k:
-                args[order[-1]] = f"({args[order[-1]]} + {k})"
-            calls.append(", ".join(["a", *args]))
-        outs.append(
-            {
-                "value": v,
-                "cname": names[v],
-                "type": str(t),
-                "rank": t.rank,
-                "numel": t.numel,
-                "start": total,
-                "order_text": ", ".join(f"i{d}" for d in order) or "scalar",
-                "decompose": _decompose(t.shape, order),
-                "calls": calls,
-            }
-        )
-        total += t.numel
-    ins = [{"value": v, "cname": names[v], "type": str(group.types[v])} for v in group.inputs]
+    if len(s.outputs) != 1:
+        raise UnsupportedError(f"schedule {s.name} has {len(s.outputs)} outputs; one needed")
+    functions = element_functions(s)
+    out = s.buffer(s.outputs[0])
+    vec = vector_width(s)
+    order = ORDER[out.layout]
+    inner = DIMS[order[-1]]
+    calls = []
+    for k in range(vec):
+        calls.append(", ".join(f"{d} + {k}" if d == inner and k else d for d in DIMS))
+    total = out.elements
     launch = launch_config(total // vec, hardware)
-    big = total + launch.grid * launch.block >= 2**31 or any(
-        group.types[v].numel >= 2**31 for v in group.types
-    )
-    name = kernel_name(group)
+    big = total + launch.grid * launch.block >= 2**31 or any(b.elements >= 2**31 for b in s.buffers)
+    ins = [s.buffer(n) for n in s.inputs]
+    name = kernel_name(s, name)
     source = (
         environment()
         .get_template("kernel.cu.j2")
         .render(
             kernel=name,
-            description=group.describe(),
-            inputs=ins,
-            outputs=outs,
+            description=s.description,
+            helpers=HELPERS,
+            params=[
+                {"cname": param_ident(p.name), "size": len(p.data), "text": _param_text(p)}
+                for p in s.params
+            ],
+            inputs=[
+                {"cname": buffer_ident(b.name), "value": b.value, "type": str(tensor_type(b))}
+                for b in ins
+            ],
+            out={
+                "cname": buffer_ident(out.name),
+                "fname": function_ident(out.name),
+                "value": out.value,
+                "type": str(tensor_type(out)),
+                "order_text": ", ".join(DIMS[d] for d in order),
+                "decompose": _decompose(out.shape, order),
+                "calls": calls,
+            },
             functions=functions,
             total=total,
             vec=vec,
@@ -200,45 +327,15 @@ def render_group(group: KernelGroup, hardware: Hardware, emulate: bool = True) -
     return RenderedKernel(
         name,
         source,
-        group.inputs,
-        group.outputs,
-        tuple(group.types[v] for v in group.inputs),
-        tuple(group.types[v] for v in group.outputs),
+        tuple(b.value for b in ins),
+        (out.value,),
+        tuple(tensor_type(b) for b in ins),
+        (tensor_type(out),),
         launch,
-        group,
+        s,
     )
 
 
-def render_cuda(schedule: Any, hardware: Hardware, graph: Any = None) -> str:
-    """The CUDA C source of a fused group for ``hardware``.
-
-    ``schedule``: a :class:`KernelGroup`, or the backend-neutral ``Schedule`` of
-    ``passes/schedule.py`` (its ``layers`` name the group's nodes) together with the
-    ``graph`` it was made from. The CUDA backend keeps the schedule's fusion decision (which
-    nodes, which values are written) and maps it onto the GPU its own way: one thread per
-    output element, the halo recomputed in registers instead of a per-tile scratch buffer
-    (on a GPU that buffer would live in local memory or need a block barrier).
-    """
-    return render_group(as_group(schedule, graph), hardware).source
-
-
-def as_group(schedule: Any, graph: Any = None) -> KernelGroup:
-    """A :class:`KernelGroup` from a group record: a ``KernelGroup`` itself, or a record
-    naming its nodes (``layers``, ``node_names`` or ``nodes``) in ``graph`` (or in its own
-    ``graph`` attribute)."""
-    from .group import group_from_nodes
-
-    if isinstance(schedule, KernelGroup):
-        return schedule
-    graph = graph if graph is not None else getattr(schedule, "graph", None)
-    nodes = (
-        getattr(schedule, "layers", None)
-        or getattr(schedule, "node_names", None)
-        or getattr(schedule, "nodes", None)
-    )
-    if graph is None or nodes is None:
-        raise UnsupportedError(
-            f"cannot render a {type(schedule).__name__} without the graph and its node names"
-        )
-    names = [n if isinstance(n, str) else n.name for n in nodes]
-    return group_from_nodes(graph, names, str(getattr(schedule, "name", "") or ""))
+def render_cuda(schedule: Schedule, hardware: Hardware) -> str:
+    """The CUDA C source of ``schedule`` for ``hardware`` (the backend's ``render``)."""
+    return render_schedule(schedule, hardware, emulate=False).source
