@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from .enums import Bound
-from .graph import Node
+from .graph import Graph, Node
 from .loops import Const, Expr, call, clamp
-from .op_registry import Kernel, OpDef, VendorPostOp, register
+from .op_registry import Kernel, OpDef, OutForm, OutVariant, VendorPostOp, register
 
 
 # --------------------------------------------------------------------- activations
@@ -33,6 +33,25 @@ def _relu_(attrs: Mapping[str, Any]) -> Kernel:
     return torch.relu_
 
 
+def _relu_out(node: Node, graph: Graph) -> OutForm:
+    def relu_out(x, o):
+        torch.clamp_min(x, 0, out=o)
+
+    return relu_out, ()
+
+
+def _unary_out(fn: Callable[..., Any]) -> OutVariant:
+    """The out= form ``fn(x, out=o)`` of an activation without attrs."""
+
+    def make(node: Node, graph: Graph) -> OutForm:
+        def out_form(x, o):
+            fn(x, out=o)
+
+        return out_form, ()
+
+    return OutVariant(make, (0,))
+
+
 register(
     OpDef(
         "relu",
@@ -42,6 +61,7 @@ register(
         monotone=True,
         pointwise=_relu_expr,
         inplace=_relu_,
+        out=OutVariant(_relu_out, (0,)),
         post_op=VendorPostOp("relu", after_binary=True),
     )
 )
@@ -69,6 +89,15 @@ def _hardtanh_(attrs: Mapping[str, Any]) -> Kernel:
     return hardtanh_
 
 
+def _hardtanh_out(node: Node, graph: Graph) -> OutForm:
+    lo, hi = float(node.attrs["min_val"]), float(node.attrs["max_val"])
+
+    def hardtanh_out(x, o):
+        torch._C._nn.hardtanh(x, lo, hi, out=o)
+
+    return hardtanh_out, ()
+
+
 # (relu6 is hardtanh(0, 6)); monotone unless min_val > max_val (a constant then)
 register(
     OpDef(
@@ -81,6 +110,7 @@ register(
         pointwise=_hardtanh_expr,
         defaults={"min_val": -1.0, "max_val": 1.0},
         inplace=_hardtanh_,
+        out=OutVariant(_hardtanh_out, (0,)),
         post_op=VendorPostOp("hardtanh", ("min_val", "max_val")),
     )
 )
@@ -109,6 +139,15 @@ def _leaky_relu_(attrs: Mapping[str, Any]) -> Kernel:
     return leaky_relu_
 
 
+def _leaky_relu_out(node: Node, graph: Graph) -> OutForm:
+    slope = float(node.attrs["negative_slope"])
+
+    def leaky_relu_out(x, o):
+        torch._C._nn.leaky_relu(x, slope, out=o)
+
+    return leaky_relu_out, ()
+
+
 # monotone only for a positive slope: a slope of 0 maps -inf to NaN (-inf * 0), which a max
 # over the window's other elements would hide (merge_pool_relu)
 register(
@@ -122,6 +161,7 @@ register(
         pointwise=_leaky_relu_expr,
         defaults={"negative_slope": 0.01},
         inplace=_leaky_relu_,
+        out=OutVariant(_leaky_relu_out, (0,)),
         post_op=VendorPostOp("leaky_relu", ("negative_slope",)),
     )
 )
@@ -174,13 +214,30 @@ def _hardsigmoid_(x: torch.Tensor) -> torch.Tensor:
     return F.hardsigmoid(x, inplace=True)
 
 
-# (name, reference, FLOPs per element, scalar semantics, in-place form, oneDNN post-op)
-for _name, _fn, _flops, _expr, _inplace, _onednn in (
-    ("sigmoid", torch.sigmoid, 4.0, _sigmoid_expr, _sigmoid_, "sigmoid"),
-    ("tanh", torch.tanh, 4.0, _tanh_expr, _tanh_, "tanh"),
-    ("silu", F.silu, 5.0, _silu_expr, _silu_, "swish"),
-    ("hardswish", F.hardswish, 4.0, _hardswish_expr, _hardswish_, "hardswish"),
-    ("hardsigmoid", F.hardsigmoid, 3.0, _hardsigmoid_expr, _hardsigmoid_, "hardsigmoid"),
+# (name, reference, FLOPs per element, scalar semantics, in-place form, out= form,
+#  oneDNN post-op)
+for _name, _fn, _flops, _expr, _inplace, _out, _onednn in (
+    ("sigmoid", torch.sigmoid, 4.0, _sigmoid_expr, _sigmoid_, torch.sigmoid, "sigmoid"),
+    ("tanh", torch.tanh, 4.0, _tanh_expr, _tanh_, torch.tanh, "tanh"),
+    ("silu", F.silu, 5.0, _silu_expr, _silu_, torch._C._nn.silu, "swish"),
+    (
+        "hardswish",
+        F.hardswish,
+        4.0,
+        _hardswish_expr,
+        _hardswish_,
+        torch._C._nn.hardswish,
+        "hardswish",
+    ),
+    (
+        "hardsigmoid",
+        F.hardsigmoid,
+        3.0,
+        _hardsigmoid_expr,
+        _hardsigmoid_,
+        torch._C._nn.hardsigmoid,
+        "hardsigmoid",
+    ),
 ):
     register(
         OpDef(
@@ -191,6 +248,7 @@ for _name, _fn, _flops, _expr, _inplace, _onednn in (
             flops_per_elem=_flops,
             pointwise=_expr,
             inplace=_inplace_of(_inplace),
+            out=_unary_out(_out),
             post_op=VendorPostOp(_onednn),
         )
     )
@@ -229,6 +287,15 @@ def _gelu_out_of_place(attrs: Mapping[str, Any]) -> Kernel:
     return gelu
 
 
+def _gelu_out(node: Node, graph: Graph) -> OutForm:
+    approximate = node.attrs["approximate"]
+
+    def gelu_out(x, o):
+        torch._C._nn.gelu(x, approximate=approximate, out=o)
+
+    return gelu_out, ()
+
+
 register(
     OpDef(
         "gelu",
@@ -239,6 +306,7 @@ register(
         pointwise=_gelu_expr,
         defaults={"approximate": "none"},
         inplace=_gelu_out_of_place,
+        out=OutVariant(_gelu_out, (0,)),
         post_op=VendorPostOp("gelu", (), "approximate", ("none", "tanh")),
     )
 )

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from . import loops
 from .enums import Bound
-from .graph import Node
-from .op_registry import Kernel, OpDef, register
+from .graph import Graph, Node
+from .op_registry import Kernel, OpDef, OutForm, OutVariant, register
 
 
 def _batch_norm(node: Node) -> Kernel:
@@ -24,6 +24,19 @@ def _batch_norm(node: Node) -> Kernel:
     return batch_norm
 
 
+def _batch_norm_out(node: Node, graph: Graph) -> OutForm:
+    eps = float(node.attrs["eps"])
+    no_stats = torch.empty(0)  # inference computes no saved statistics
+
+    def batch_norm_out(x, mean, var, w, b, o):
+        # ATen's own kernel (bit-identical to F.batch_norm for dense outputs, in place too)
+        torch.ops.aten.native_batch_norm.out(
+            x, w, b, mean, var, False, 0.0, eps, out=o, save_mean=no_stats, save_invstd=no_stats
+        )
+
+    return batch_norm_out, ()
+
+
 register(
     OpDef(
         "batch_norm",
@@ -32,6 +45,7 @@ register(
         elementwise=True,
         flops_per_elem=2.0,
         loops=loops.batch_norm_loops,
+        out=OutVariant(_batch_norm_out, (0,)),
     )
 )
 
@@ -67,12 +81,44 @@ def _binary(fn: Callable[..., Any], has_alpha: bool = False) -> Callable[[Node],
     return make
 
 
-for _name, _fn, _alpha in (
-    ("add", torch.add, True),
-    ("sub", torch.sub, True),
-    ("mul", torch.mul, False),
-    ("div", torch.div, False),
+def _binary_out(fn: Callable[..., Any], has_alpha: bool) -> Callable[[Node, Graph], OutForm | None]:
+    """The out= form of a binary op; none for a scalar left operand (``reverse``)."""
+
+    def make(node: Node, graph: Graph) -> OutForm | None:
+        scalar = node.attrs.get("scalar")
+        if node.attrs.get("reverse", False):
+            return None
+        kw = {"alpha": node.attrs["alpha"]} if has_alpha and node.attrs.get("alpha", 1) != 1 else {}
+        if scalar is not None:
+
+            def scalar_out(x, o):
+                fn(x, scalar, out=o, **kw)
+
+            return scalar_out, ()
+
+        def binary_out(a, b, o):
+            fn(a, b, out=o, **kw)
+
+        return binary_out, ()
+
+    return make
+
+
+# (name, ATen function, takes alpha, the inputs its result may overwrite: the commutative
+# ops either operand)
+for _name, _fn, _alpha, _inplace in (
+    ("add", torch.add, True, (0, 1)),
+    ("sub", torch.sub, True, (0,)),
+    ("mul", torch.mul, False, (0, 1)),
+    ("div", torch.div, False, (0,)),
 ):
     register(
-        OpDef(_name, Bound.IO, _binary(_fn, _alpha), elementwise=True, loops=loops.binary_loops)
+        OpDef(
+            _name,
+            Bound.IO,
+            _binary(_fn, _alpha),
+            elementwise=True,
+            loops=loops.binary_loops,
+            out=OutVariant(_binary_out(_fn, _alpha), _inplace),
+        )
     )

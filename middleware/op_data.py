@@ -10,8 +10,8 @@ import torch
 
 from . import loops
 from .enums import Bound
-from .graph import Node
-from .op_registry import Kernel, OpDef, register
+from .graph import Graph, Node
+from .op_registry import Kernel, OpDef, OutForm, OutVariant, register
 
 
 def _cat(node: Node) -> Kernel:
@@ -21,6 +21,15 @@ def _cat(node: Node) -> Kernel:
         return torch.cat(xs, dim)
 
     return cat
+
+
+def _cat_out(node: Node, graph: Graph) -> OutForm:
+    dim = node.attrs["dim"]
+
+    def cat_out(*xs):
+        torch.cat(xs[:-1], dim, out=xs[-1])
+
+    return cat_out, ()
 
 
 # torch.cat writes a contiguous result when its inputs' strides disagree: stride-strict
@@ -34,6 +43,7 @@ register(
         per_sample=True,
         layout_preserving=True,
         stride_strict=True,
+        out=OutVariant(_cat_out),
     )
 )
 

@@ -11,9 +11,18 @@ import torch.nn.functional as F
 
 from . import loops
 from .enums import Bound
-from .graph import Node, TensorType
+from .graph import Graph, Node, TensorType
 from .loops import pair
-from .op_registry import Kernel, OpDef, activation_fn, register, with_post_op
+from .op_registry import (
+    Kernel,
+    OpDef,
+    OutForm,
+    OutVariant,
+    activation_fn,
+    get_op,
+    register,
+    with_post_op,
+)
 
 
 def pool_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
@@ -45,10 +54,25 @@ def _log_softmax(node: Node) -> Kernel:
     return log_softmax
 
 
-register(OpDef("softmax", Bound.IO, _softmax, flops_per_elem=5.0, per_sample=True))
+def _softmax_out(log: bool) -> OutVariant:
+    op = torch.ops.aten._log_softmax.out if log else torch.ops.aten._softmax.out
+
+    def make(node: Node, graph: Graph) -> OutForm:
+        dim = node.attrs["dim"]
+
+        def softmax_out(x, o):
+            op(x, dim, False, out=o)
+
+        return softmax_out, ()
+
+    # ATen's kernel writes a strided output as if it were dense
+    return OutVariant(make, dense_only=True)
 
 
-register(OpDef("log_softmax", Bound.IO, _log_softmax, flops_per_elem=5.0, per_sample=True))
+for _name, _make, _log in (("softmax", _softmax, False), ("log_softmax", _log_softmax, True)):
+    register(
+        OpDef(_name, Bound.IO, _make, flops_per_elem=5.0, per_sample=True, out=_softmax_out(_log))
+    )
 
 
 def _max_pool2d(node: Node) -> Kernel:
@@ -66,6 +90,50 @@ def _max_pool2d(node: Node) -> Kernel:
     return max_pool2d
 
 
+# ATen's CPU max-pool always writes an int64 index tensor beside its result (twice the
+# result's bytes for float32). For NCHW values the out-form pools the batch in up to this
+# many chunks, so that the index scratch is one chunk's worth (measured: 4 chunks cost
+# about 5% of the pool's time in NCHW; in channels_last every call costs the whole
+# tensor's time, so channels_last pools run in one piece).
+MAXPOOL_CHUNKS = 4
+INDEX_BYTES = 8  # the int64 index ATen's CPU max-pools make per output element
+
+
+def _max_pool2d_out(node: Node, graph: Graph) -> OutForm | None:
+    """The out= form of max_pool2d, and of maxpool_relu with its activation's out= form
+    applied in place after it."""
+    a = node.attrs
+    k, s, p, d, c = a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"]
+    s = s or k
+    act = None
+    if node.op == "maxpool_relu":
+        spec = get_op(a["activation"]).out
+        form = None
+        if spec is not None:
+            act_node = Node("_act", a["activation"], ("x",), ("y",), dict(a["activation_attrs"]))
+            form = spec.make(act_node, graph)
+        if form is None or form[1]:
+            return None
+        act = form[0]
+    t = graph.values[node.outputs[0]]
+    n = t.shape[0]
+    chunks = min(MAXPOOL_CHUNKS, n) if t.rank == 4 and t.layout == "nchw" else 1
+    step = -(-n // chunks)
+    indices = TensorType((step, *t.shape[1:]), "int64", t.layout)
+    bounds = [(b, min(step, n - b)) for b in range(0, n, step)]
+    pool = torch.ops.aten.max_pool2d_with_indices.out
+
+    def max_pool2d_out(x, o, idx):
+        for b, m in bounds:
+            pool(
+                x.narrow(0, b, m), k, s, p, d, c, out=o.narrow(0, b, m), indices=idx.narrow(0, 0, m)
+            )
+        if act is not None:
+            act(o, o)
+
+    return max_pool2d_out, (indices,)
+
+
 register(
     OpDef(
         "max_pool2d",
@@ -75,6 +143,8 @@ register(
         loops=loops.max_pool_loops,
         per_sample=True,
         layout_preserving=True,
+        out=OutVariant(_max_pool2d_out),
+        temp_bytes_per_elem=INDEX_BYTES,
     )
 )
 
@@ -95,6 +165,23 @@ def _avg_pool2d(node: Node) -> Kernel:
     return avg_pool2d
 
 
+def _avg_pool2d_out(node: Node, graph: Graph) -> OutForm:
+    a = node.attrs
+    args = (
+        a["kernel_size"],
+        a["stride"] or a["kernel_size"],
+        a["padding"],
+        a["ceil_mode"],
+        a["count_include_pad"],
+        a["divisor_override"],
+    )
+
+    def avg_pool2d_out(x, o):
+        torch._C._nn.avg_pool2d(x, *args, out=o)
+
+    return avg_pool2d_out, ()
+
+
 register(
     OpDef(
         "avg_pool2d",
@@ -104,6 +191,7 @@ register(
         loops=loops.avg_pool_loops,
         per_sample=True,
         layout_preserving=True,
+        out=OutVariant(_avg_pool2d_out),
     )
 )
 
@@ -126,21 +214,40 @@ def _adaptive_max_pool2d(node: Node) -> Kernel:
     return adaptive_max_pool2d
 
 
-for _name, _make in (
-    ("adaptive_avg_pool2d", _adaptive_avg_pool2d),
-    ("adaptive_max_pool2d", _adaptive_max_pool2d),
-):
-    register(
-        OpDef(
-            _name,
-            Bound.IO,
-            _make,
-            flops_fn=pool_flops,
-            loops=loops.adaptive_pool_loops,
-            per_sample=True,
-            layout_preserving=True,
-        )
+def _adaptive_avg_pool2d_out(node: Node, graph: Graph) -> OutForm:
+    size = node.attrs["output_size"]
+
+    def adaptive_avg_pool2d_out(x, o):
+        torch._C._nn.adaptive_avg_pool2d(x, size, out=o)
+
+    return adaptive_avg_pool2d_out, ()
+
+
+register(
+    OpDef(
+        "adaptive_avg_pool2d",
+        Bound.IO,
+        _adaptive_avg_pool2d,
+        flops_fn=pool_flops,
+        loops=loops.adaptive_pool_loops,
+        per_sample=True,
+        layout_preserving=True,
+        # ATen's kernel restrides a strided (concat slice) output
+        out=OutVariant(_adaptive_avg_pool2d_out, dense_only=True),
     )
+)
+register(
+    OpDef(
+        "adaptive_max_pool2d",
+        Bound.IO,
+        _adaptive_max_pool2d,
+        flops_fn=pool_flops,
+        loops=loops.adaptive_pool_loops,
+        per_sample=True,
+        layout_preserving=True,
+        temp_bytes_per_elem=INDEX_BYTES,
+    )
+)
 
 
 def _maxpool_act(node: Node) -> Kernel:
@@ -164,6 +271,8 @@ register(
         loops=with_post_op(loops.max_pool_loops),
         per_sample=True,
         layout_preserving=True,
+        out=OutVariant(_max_pool2d_out),
+        temp_bytes_per_elem=INDEX_BYTES,
     )
 )
 
@@ -175,6 +284,15 @@ def _mean(node: Node) -> Kernel:
         return torch.mean(x, dims, keep)
 
     return mean
+
+
+def _mean_out(node: Node, graph: Graph) -> OutForm:
+    dims, keep = tuple(node.attrs["dims"]), bool(node.attrs["keepdim"])
+
+    def mean_out(x, o):
+        torch.mean(x, dims, keep, out=o)
+
+    return mean_out, ()
 
 
 def _over_space(attrs: Mapping[str, Any]) -> bool:
@@ -192,5 +310,6 @@ register(
         per_sample=True,
         layout_preserving=True,
         layout_preserving_if=_over_space,
+        out=OutVariant(_mean_out),
     )
 )

@@ -24,6 +24,28 @@ from .loops import Expr, NotFusable, OpLoops, Pointwise, Rule
 Kernel = Callable[..., Any]
 
 
+# A destination-passing form of a node: ``fn(*inputs, *outputs, *scratch)`` writes the
+# outputs (ATen's ``out=`` variants accept strided outputs, e.g. a slice of a concat
+# destination), with the types of the scratch tensors it needs.
+OutForm = tuple[Callable[..., Any], tuple[TensorType, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class OutVariant:
+    """An op's ATen ``out=`` form, for the buffer planner (runtime/memory.py).
+
+    ``make(node, graph)`` gives the node's :data:`OutForm`, or None where its attrs have
+    none. ``inplace_inputs``: the inputs the result may overwrite (elementwise, output shape
+    = that input's shape; the form is then called with that input as output).
+    ``dense_only``: the ATen kernel assumes a dense output (handed a strided view, a concat
+    slice, it restrides it or writes as if it were dense), so it writes into a concat slice
+    only where that slice is dense."""
+
+    make: Callable[[Node, Graph], OutForm | None]
+    inplace_inputs: tuple[int, ...] = ()
+    dense_only: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class VendorPostOp:
     """How the vendor library spells an activation as a post-op fused into a convolution's
@@ -82,6 +104,12 @@ class OpDef:
     inplace: Callable[[Mapping[str, Any]], Kernel] | None = None
     # An activation's spelling as a vendor post-op (fuse_vendor_epilogue, vendor calls).
     post_op: VendorPostOp | None = None
+    # The ATen ``out=`` form of the reference (the buffer planner writes its result into
+    # the arena, over a dead input or into a concat slice); None: the reference allocates.
+    out: OutVariant | None = None
+    # Bytes per output element the reference allocates and drops while it runs (ATen's CPU
+    # max-pools: an int64 index beside the result), for the planner's peak estimate.
+    temp_bytes_per_elem: int = 0
     # Layout (passes/layout.py): the reference keeps the memory order of its 4-d inputs in
     # its 4-d outputs, in both layouts (None: the same as ``elementwise``), where
     # ``layout_preserving_if`` accepts the attrs; every other op reads and writes "nchw"

@@ -8,10 +8,10 @@ value lives:
   its input; the two are one *storage class* whose lifetime is the union (an op planned as
   a copy is copied at run time should ATen alias after all: :func:`_fresh_result`);
 - ``inplace``: an elementwise op whose input class is dead afterwards writes into it
-  (relu, batch-norm, add of a dead residual, ...);
+  (relu, batch-norm, add of a dead residual, ...: ``OutVariant.inplace_inputs``);
 - ``arena``: the output of a unit that can write into a given tensor (a destination-passing
-  ``Unit.out_fn``, or an ATen ``out=`` variant for the vendor ops below) lives at a byte
-  offset of one arena; classes whose lifetimes do not overlap share bytes
+  ``Unit.out_fn``, or the ATen ``out=`` form of its op's registry entry, ``OpDef.out``)
+  lives at a byte offset of one arena; classes whose lifetimes do not overlap share bytes
   (greedy by size, first fit, 64-byte alignment);
 - ``slice``: an input of a concat is written straight into its slice of the concat's
   destination (through ``out=`` or, for a producer without one, a copy right after it);
@@ -46,246 +46,13 @@ import numpy as np
 import torch
 
 from ..graph import Graph, Node, TensorType
-from ..ops import get_op, torch_dtype
+from ..ops import OutForm, get_op, torch_dtype
 from ..options import check_memory_default
 
 ALIGN = 64
 # How far (a fraction of the least possible peak) keeping classes in the arena may raise the
 # peak; 0 puts memory first. A class in the arena costs no allocation or page faults per call.
 ARENA_PEAK_SLACK = 0.0
-
-# ------------------------------------------------------------------ ATen out= forms
-# An out-form of a node: ``fn(*inputs, *outputs, *scratch)`` writes the outputs (ATen's
-# ``out=`` variants accept strided outputs, e.g. a slice of a concat destination).
-OutForm = tuple[Callable[..., Any], tuple[TensorType, ...]]
-
-
-def _unary_out(fn: Callable[..., Any]) -> Callable[[Node, Graph], OutForm]:
-    def make(node: Node, graph: Graph) -> OutForm:
-        def out_form(x, o):
-            fn(x, out=o)
-
-        return out_form, ()
-
-    return make
-
-
-def _relu_out(node: Node, graph: Graph) -> OutForm:
-    def relu_out(x, o):
-        torch.clamp_min(x, 0, out=o)
-
-    return relu_out, ()
-
-
-def _hardtanh_out(node: Node, graph: Graph) -> OutForm:
-    lo, hi = float(node.attrs["min_val"]), float(node.attrs["max_val"])
-
-    def hardtanh_out(x, o):
-        torch._C._nn.hardtanh(x, lo, hi, out=o)
-
-    return hardtanh_out, ()
-
-
-def _leaky_relu_out(node: Node, graph: Graph) -> OutForm:
-    slope = float(node.attrs["negative_slope"])
-
-    def leaky_relu_out(x, o):
-        torch._C._nn.leaky_relu(x, slope, out=o)
-
-    return leaky_relu_out, ()
-
-
-def _gelu_out(node: Node, graph: Graph) -> OutForm:
-    approximate = node.attrs["approximate"]
-
-    def gelu_out(x, o):
-        torch._C._nn.gelu(x, approximate=approximate, out=o)
-
-    return gelu_out, ()
-
-
-def _batch_norm_out(node: Node, graph: Graph) -> OutForm:
-    eps = float(node.attrs["eps"])
-    no_stats = torch.empty(0)  # inference computes no saved statistics
-
-    def batch_norm_out(x, mean, var, w, b, o):
-        # ATen's own kernel (bit-identical to F.batch_norm for dense outputs, in place too)
-        torch.ops.aten.native_batch_norm.out(
-            x, w, b, mean, var, False, 0.0, eps, out=o, save_mean=no_stats, save_invstd=no_stats
-        )
-
-    return batch_norm_out, ()
-
-
-def _binary_out(fn: Callable[..., Any], has_alpha: bool) -> Callable[[Node, Graph], OutForm | None]:
-    def make(node: Node, graph: Graph) -> OutForm | None:
-        scalar = node.attrs.get("scalar")
-        if node.attrs.get("reverse", False):
-            return None
-        kw = {"alpha": node.attrs["alpha"]} if has_alpha and node.attrs.get("alpha", 1) != 1 else {}
-        if scalar is not None:
-
-            def scalar_out(x, o):
-                fn(x, scalar, out=o, **kw)
-
-            return scalar_out, ()
-
-        def binary_out(a, b, o):
-            fn(a, b, out=o, **kw)
-
-        return binary_out, ()
-
-    return make
-
-
-# ATen's CPU max-pool always writes an int64 index tensor beside its result (twice the
-# result's bytes for float32). For NCHW values the out-form pools the batch in up to this
-# many chunks, so that the index scratch is one chunk's worth (measured: 4 chunks cost
-# about 5% of the pool's time in NCHW; in channels_last every call costs the whole
-# tensor's time, so channels_last pools run in one piece).
-MAXPOOL_CHUNKS = 4
-
-
-def _max_pool2d_out(node: Node, graph: Graph) -> OutForm | None:
-    a = node.attrs
-    k, s, p, d, c = a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"]
-    s = s or k
-    act = None
-    if node.op == "maxpool_relu":
-        act = OUT_FORMS[a["activation"]](
-            Node("_act", a["activation"], ("x",), ("y",), dict(a["activation_attrs"])), graph
-        )
-        if act is None or act[1]:
-            return None
-        act = act[0]
-    t = graph.values[node.outputs[0]]
-    n = t.shape[0]
-    chunks = min(MAXPOOL_CHUNKS, n) if t.rank == 4 and t.layout == "nchw" else 1
-    step = -(-n // chunks)
-    indices = TensorType((step, *t.shape[1:]), "int64", t.layout)
-    bounds = [(b, min(step, n - b)) for b in range(0, n, step)]
-    pool = torch.ops.aten.max_pool2d_with_indices.out
-
-    def max_pool2d_out(x, o, idx):
-        for b, m in bounds:
-            pool(
-                x.narrow(0, b, m), k, s, p, d, c, out=o.narrow(0, b, m), indices=idx.narrow(0, 0, m)
-            )
-        if act is not None:
-            act(o, o)
-
-    return max_pool2d_out, (indices,)
-
-
-def _avg_pool2d_out(node: Node, graph: Graph) -> OutForm:
-    a = node.attrs
-    args = (
-        a["kernel_size"],
-        a["stride"] or a["kernel_size"],
-        a["padding"],
-        a["ceil_mode"],
-        a["count_include_pad"],
-        a["divisor_override"],
-    )
-
-    def avg_pool2d_out(x, o):
-        torch._C._nn.avg_pool2d(x, *args, out=o)
-
-    return avg_pool2d_out, ()
-
-
-def _adaptive_avg_pool2d_out(node: Node, graph: Graph) -> OutForm:
-    size = node.attrs["output_size"]
-
-    def adaptive_avg_pool2d_out(x, o):
-        torch._C._nn.adaptive_avg_pool2d(x, size, out=o)
-
-    return adaptive_avg_pool2d_out, ()
-
-
-def _mean_out(node: Node, graph: Graph) -> OutForm:
-    dims, keep = tuple(node.attrs["dims"]), bool(node.attrs["keepdim"])
-
-    def mean_out(x, o):
-        torch.mean(x, dims, keep, out=o)
-
-    return mean_out, ()
-
-
-def _cat_out(node: Node, graph: Graph) -> OutForm:
-    dim = node.attrs["dim"]
-
-    def cat_out(*xs):
-        torch.cat(xs[:-1], dim, out=xs[-1])
-
-    return cat_out, ()
-
-
-def _softmax_out(log: bool) -> Callable[[Node, Graph], OutForm]:
-    op = torch.ops.aten._log_softmax.out if log else torch.ops.aten._softmax.out
-
-    def make(node: Node, graph: Graph) -> OutForm:
-        dim = node.attrs["dim"]
-
-        def softmax_out(x, o):
-            op(x, dim, False, out=o)
-
-        return softmax_out, ()
-
-    return make
-
-
-# Vendor ops whose ATen implementation has a true ``out=`` form. Convolution and linear are
-# left to the vendor units (oneDNN allocates their results; see the module docstring).
-OUT_FORMS: dict[str, Callable[[Node, Graph], OutForm | None]] = {
-    "relu": _relu_out,
-    "hardtanh": _hardtanh_out,
-    "leaky_relu": _leaky_relu_out,
-    "sigmoid": _unary_out(torch.sigmoid),
-    "tanh": _unary_out(torch.tanh),
-    "silu": _unary_out(torch._C._nn.silu),
-    "hardswish": _unary_out(torch._C._nn.hardswish),
-    "hardsigmoid": _unary_out(torch._C._nn.hardsigmoid),
-    "gelu": _gelu_out,
-    "batch_norm": _batch_norm_out,
-    "add": _binary_out(torch.add, True),
-    "sub": _binary_out(torch.sub, True),
-    "mul": _binary_out(torch.mul, False),
-    "div": _binary_out(torch.div, False),
-    "max_pool2d": _max_pool2d_out,
-    "maxpool_relu": _max_pool2d_out,
-    "avg_pool2d": _avg_pool2d_out,
-    "adaptive_avg_pool2d": _adaptive_avg_pool2d_out,
-    "mean": _mean_out,
-    "cat": _cat_out,
-    "softmax": _softmax_out(False),
-    "log_softmax": _softmax_out(True),
-}
-
-# Ops whose ATen ``out=`` kernel assumes a dense output: handed a strided view (a concat
-# slice) it restrides it (adaptive_avg_pool2d) or writes as if it were dense (softmax), so
-# a result lands in the wrong bytes. They write into a concat slice only where that slice
-# is dense.
-DENSE_OUT_ONLY = frozenset({"adaptive_avg_pool2d", "softmax", "log_softmax"})
-
-# Ops that may write their result over an input (elementwise, output shape = that input's
-# shape): which inputs may be overwritten. The out-form is called with that input as output.
-INPLACE_INPUTS: dict[str, tuple[int, ...]] = {
-    "relu": (0,),
-    "hardtanh": (0,),
-    "leaky_relu": (0,),
-    "sigmoid": (0,),
-    "tanh": (0,),
-    "silu": (0,),
-    "hardswish": (0,),
-    "hardsigmoid": (0,),
-    "gelu": (0,),
-    "batch_norm": (0,),
-    "add": (0, 1),
-    "sub": (0,),
-    "mul": (0, 1),
-    "div": (0,),
-}
 
 
 # ---------------------------------------------------------------------- the plan record
@@ -547,7 +314,7 @@ class _Planner:
             return False
         if self.forms[j] is not None and self.single[j] is None:  # a generated kernel
             return _slice_contiguous(self.graph.values[dest], dim)
-        if self.forms[j] is not None and self.single[j].op in DENSE_OUT_ONLY:
+        if self.forms[j] is not None and _dense_only(self.single[j]):
             return _slice_contiguous(self.graph.values[dest], dim)
         return True
 
@@ -560,10 +327,10 @@ class _Planner:
             into = getattr(u.fn, "into_residual", None) if nd is not None else None
             if into is not None and nd.op == "conv2d" and nd.attrs.get("residual", False):
                 ks: tuple[int, ...] = (len(u.inputs) - 1,)
-            elif nd is None or form is None or form[1] or nd.op not in INPLACE_INPUTS:
+            elif nd is None or form is None or form[1] or not _inplace_inputs(nd):
                 continue
             else:
-                ks, into = INPLACE_INPUTS[nd.op], None
+                ks, into = _inplace_inputs(nd), None
             y = u.outputs[0]
             if not self._alone(y) or y in self.slice_of or self.cls.find(y) != y:
                 continue
@@ -738,8 +505,9 @@ def plan_memory(
             fns[i] = _fresh_result(fns[i])
     for i, (fn, u) in enumerate(zip(fns, units, strict=True)):
         nd = pl.single[i]
-        if fn is u.fn and nd is not None and nd.op in _INDICES_OPS:
-            memory.temps[i] = graph.values[u.outputs[0]].numel * 8
+        temp = 0 if nd is None else get_op(nd.op).temp_bytes_per_elem
+        if fn is u.fn and temp:  # ATen's max-pool indices
+            memory.temps[i] = graph.values[u.outputs[0]].numel * temp
         elif getattr(fn, "__name__", "").startswith("copy_into"):
             memory.temps[i] = graph.values[u.outputs[0]].nbytes
         work = getattr(u.fn, "workspace_bytes", None)
@@ -809,10 +577,6 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     lo = t.data_ptr()
     span = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
     return lo, lo + (span + 1) * t.element_size()
-
-
-# ATen's CPU max-pools make an int64 index tensor beside their result
-_INDICES_OPS = ("max_pool2d", "maxpool_relu", "adaptive_max_pool2d")
 
 
 def _const(t: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -1055,13 +819,27 @@ def _single_node(graph: Graph, u: Any) -> Node | None:
 
 
 def _out_form(graph: Graph, u: Any, nd: Node | None) -> OutForm | None:
-    """How a unit writes into given tensors: ATen ``out=`` for known vendor ops, else the
-    unit's own destination-passing form (generated kernels)."""
-    if nd is not None and nd.op in OUT_FORMS and len(nd.outputs) == 1:
-        return OUT_FORMS[nd.op](nd, graph)
+    """How a unit writes into given tensors: the op's ATen ``out=`` form (``OpDef.out``) for
+    a one-node vendor unit, else the unit's own destination-passing form (generated
+    kernels)."""
+    spec = None if nd is None else get_op(nd.op).out
+    if spec is not None and len(nd.outputs) == 1:
+        return spec.make(nd, graph)
     if getattr(u, "out_fn", None) is not None and u.runs_as == "generated":
         return u.out_fn, ()
     return None
+
+
+def _inplace_inputs(nd: Node) -> tuple[int, ...]:
+    """The inputs whose storage the node's out= form may write its result over."""
+    spec = get_op(nd.op).out
+    return () if spec is None else spec.inplace_inputs
+
+
+def _dense_only(nd: Node) -> bool:
+    """The node's out= form writes dense outputs only (never into a strided concat slice)."""
+    spec = get_op(nd.op).out
+    return spec is not None and spec.dense_only
 
 
 def _slice_contiguous(t: TensorType, dim: int) -> bool:
