@@ -28,8 +28,9 @@ import numpy as np
 from .graph import Graph, Node, TensorType
 
 DIMS = ("n", "c", "h", "w")
-# The closed vocabulary of scalar functions (arity) used by expressions; a backend maps
-# each one to its own spelling (backends/x86/cfuncs.py).
+# The closed vocabulary of scalar functions (arity) used by expressions, with PyTorch's
+# float32 semantics (NaN propagates through max/min); a backend maps each one to its own
+# spelling (backends/x86/cfuncs.py, backends/cuda/funcs.py, backends/reference).
 FUNCTIONS: dict[str, int] = {
     "add": 2,
     "sub": 2,
@@ -38,13 +39,26 @@ FUNCTIONS: dict[str, int] = {
     "max": 2,
     "min": 2,
     "neg": 1,
+    "abs": 1,
     "exp": 1,
+    "expm1": 1,  # exp(a) - 1, accurate near 0
+    "log": 1,
+    "log1p": 1,  # log(1 + a), accurate near 0
     "tanh": 1,
     "erf": 1,
     "sigmoid": 1,
-    "gt": 2,  # 1 if a > b else 0 (a condition)
+    # conditions: 1 if true else 0 (false for a NaN operand, as in C)
+    "gt": 2,  # a > b
+    "ge": 2,  # a >= b
+    "le": 2,  # a <= b
+    "and": 2,  # both conditions true
     "select": 3,  # cond ? a : b
 }
+# The functions that cost far more than an add (transcendental ones, division): an
+# expression with one is worth materialising rather than recomputing at every read.
+EXPENSIVE_FUNCTIONS: frozenset[str] = frozenset(
+    {"exp", "expm1", "log", "log1p", "tanh", "erf", "sigmoid", "div"}
+)
 
 
 def window_out_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:

@@ -18,24 +18,33 @@ C_FUNCS: dict[str, str] = {
     "max": "mw_max({0}, {1})",
     "min": "mw_min({0}, {1})",
     "neg": "(-{0})",
+    "abs": "fabsf({0})",
     "exp": "expf({0})",
+    "expm1": "expm1f({0})",
+    "log": "logf({0})",
+    "log1p": "log1pf({0})",
     "tanh": "tanhf({0})",
     "erf": "erff({0})",
     "sigmoid": "mw_sigmoid({0})",
     "gt": "({0} > {1})",
+    "ge": "({0} >= {1})",
+    "le": "({0} <= {1})",
+    "and": "({0} && {1})",
     "select": "({0} ? {1} : {2})",
 }
 
 
-# ISPC spells a few functions differently (its stdlib has no tanh/erf: tanh through exp,
-# erf unsupported, see UNSUPPORTED_ISPC); max/min are the NaN-propagating mw_max/mw_min of
-# group.ispc.j2, not ISPC's builtins (which drop a NaN).
+# ISPC spells a few functions differently (its stdlib has no tanh, erf, expm1 or log1p:
+# tanh through exp, the others unsupported, see UNSUPPORTED_ISPC); max/min are the
+# NaN-propagating mw_max/mw_min of group.ispc.j2, not ISPC's builtins (which drop a NaN).
 ISPC_FUNCS: dict[str, str] = {
     **C_FUNCS,
+    "abs": "abs({0})",
     "exp": "exp({0})",
+    "log": "log({0})",
     "tanh": "mw_tanh({0})",
 }
-UNSUPPORTED_ISPC = ("erf",)
+UNSUPPORTED_ISPC = ("erf", "expm1", "log1p")
 
 
 def c_float(v: float) -> str:
