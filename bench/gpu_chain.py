@@ -10,9 +10,10 @@ interleaved round by round):
   NCHW input, its plan run step by step;
 - ``middleware_graph``: ``middleware.optimize(model, device="cuda")`` (the default: the
   plan replayed as one CUDA graph, the output cloned for the caller);
-- ``mw_kernel`` / ``mw_kernel_cl``: the group's generated kernel (shared-memory tiles)
-  called directly on the NCHW / channels_last graph (without the plan's Python);
-  ``mw_kernel_flat`` / ``mw_kernel_cl_flat``: the same group one thread per output.
+- ``mw_kernel`` / ``mw_kernel_cl``: the group's generated kernel (its schedule, one thread
+  per output) called directly on the NCHW / channels_last graph (without the plan's
+  Python). (The shared-memory tiled variant, ``mw_kernel*_flat`` being the flat one in
+  earlier results, was removed: it measured slower than the flat kernels.)
 
 Effective bandwidth = (input bytes + output bytes) / time; the copy bandwidth counts the
 bytes read and written by ``dst.copy_(src)`` on a 1 GiB tensor. Results go to
@@ -60,12 +61,13 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeat: int = 20) -> float:
 
 
 def _kernel_modes(model: nn.Module, x: torch.Tensor, cache: Path) -> dict:
-    """The generated kernel of the chain's group, NCHW and channels_last, called directly."""
-    from middleware.backends.cuda.group import group_from_nodes
-
+    """The generated kernel of the chain's group (its schedule rendered one thread per
+    output), NCHW and channels_last, called directly."""
     import middleware
+    from middleware.backends.cuda.kernel import compile_schedule
     from middleware.graph import TensorType
     from middleware.hardware import detect_cuda
+    from middleware.passes.schedule import schedule_group
 
     hw = detect_cuda(None, measure=False)
     out = {}
@@ -76,29 +78,18 @@ def _kernel_modes(model: nn.Module, x: torch.Tensor, cache: Path) -> dict:
                 if t.rank == 4:
                     graph.values[v] = TensorType(t.shape, t.dtype, "nhwc")
         names = [n.name for n in graph.nodes()]
-        group = group_from_nodes(graph, names, name=f"chain_{layout}")
-        for tiled in (True, False):
-            out.update(_kernel_mode(model, x, graph, group, hw, cache, layout, tiled))
+        kernel = compile_schedule(
+            schedule_group(graph, names, hw), hw, cache, torch.cuda.current_device()
+        )
+        env = {p: torch.from_numpy(a).to(x.device) for p, a in graph.params.items()}
+        xin = x.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else x
+        args = [xin if v == graph.inputs[0] else env[v] for v in kernel.rendered.inputs]
+        y = kernel(*args)
+        torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-5)
+        outbuf = torch.empty_like(y)
+        key = "mw_kernel" + ("_cl" if layout == "nhwc" else "")
+        out[key] = lambda k=kernel, a=args, o=outbuf: k.out(*a, o)
     return out
-
-
-def _kernel_mode(model, x, graph, group, hw, cache, layout, tiled) -> dict:  # noqa: ANN001
-    """One variant of the group's kernel (shared-memory tiles where the group has a tiling,
-    or one thread per output) called directly; empty when the variants coincide."""
-    from middleware.backends.cuda.kernel import compile_cuda_group
-    from middleware.backends.cuda.tiled import tile_plan
-
-    if not tiled and tile_plan(group, hw) is None:
-        return {}
-    kernel = compile_cuda_group(group, hw, cache, torch.cuda.current_device(), tiled=tiled)
-    env = {p: torch.from_numpy(a).to(x.device) for p, a in graph.params.items()}
-    xin = x.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else x
-    args = [xin if v == graph.inputs[0] else env[v] for v in group.inputs]
-    y = kernel(*args)
-    torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-5)
-    outbuf = torch.empty_like(y)
-    key = "mw_kernel" + ("_cl" if layout == "nhwc" else "") + ("" if tiled else "_flat")
-    return {key: lambda k=kernel, a=args, o=outbuf: k.out(*a, o)}
 
 
 def main(argv: list[str] | None = None) -> int:
