@@ -309,7 +309,8 @@ FRAMEWORK_OPS: dict[str, tuple[str, str]] = {
     "log_softmax": ("log_softmax", "no loop semantics"),
     "channel_shuffle": ("split", "views only"),  # split, the 5-d reshape and the permute
     "grouped_conv_relu": ("conv2d", "no loop semantics"),
-    "depthwise_residual": ("conv2d", "no loop semantics"),
+    # cuDNN, its bias and residual add in the generated epilogue kernel (epilogue.py)
+    "depthwise_residual": ("conv2d", "cuDNN convolution + generated epilogue"),
 }
 # cases with several values read outside the group: one kernel per output
 SPLIT_CASES = ("two_outputs",)

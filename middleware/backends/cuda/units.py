@@ -37,6 +37,11 @@ from .loader import LoadedKernel, get_loader
 from .render import RenderedKernel, render_schedule
 
 
+# The schedule's tiles play no part in a one-thread-per-output kernel (only its stages,
+# point loops and covers do): a fixed tile height skips the scheduler's search for one.
+TILE_ROWS = 1
+
+
 def _node_reason(graph: Graph, n: Node) -> str:
     """Why io node ``n`` cannot be inside a generated kernel ("" when it can)."""
     try:
@@ -63,7 +68,7 @@ def why_unsupported(graph: Graph, names: Sequence[str], hardware: Hardware) -> s
         if reason:
             return f"{graph.node(n).op} {n}: {reason}"
     try:
-        render_schedule(schedule_group(graph, names, hardware), hardware)
+        render_schedule(schedule_group(graph, names, hardware, tile_rows=TILE_ROWS), hardware)
     except (NotFusable, UnsupportedError) as e:
         return f"not fusable: {e}"
     return ""
@@ -102,7 +107,7 @@ def cuda_units(
     and run on CPU tensors, so that grouping and plan integration are tested end to end.
     """
     try:  # cuDNN/cuBLAS calls with prepacked weights, where the vendor module offers them
-        from ..x86.vendor import vendor_kernel
+        from ..vendor import vendor_kernel
     except ImportError:
         vendor_kernel = None
     if emulate:
@@ -120,7 +125,7 @@ def cuda_units(
             why.update(left)
             continue
         try:
-            schedule: Schedule = schedule_group(graph, names, hardware)
+            schedule: Schedule = schedule_group(graph, names, hardware, tile_rows=TILE_ROWS)
             r = render_schedule(schedule, hardware, emulate=emulate)
             if emulate:
                 req = emulation_request(r.name, r.source, meta={"group": schedule.name})
@@ -216,6 +221,8 @@ def cuda_units(
             )
             continue
         runs_as, fn, reason = node_step(graph, n, device)
+        if runs_as == "vendor" and n.name in why:
+            reason = why[n.name]
         ep = epilogues.get(n.name)
         if runs_as == "vendor" and ep is not None and ep.name() in ep_launchers:
             fn = make_conv(
@@ -224,8 +231,6 @@ def cuda_units(
             reason = "cuDNN convolution + generated epilogue (" + ep.name() + ")"
         elif runs_as == "vendor" and vendor_kernel is not None and not emulate:
             fn = vendor_kernel(graph, n, device, hardware) or fn
-        if n.name in why and runs_as == "vendor":
-            reason = why[n.name]
         units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
     return order_units(units)
 
