@@ -36,7 +36,6 @@ from .kernel import GeneratedKernel
 from .loader import LoadedKernel, get_loader
 from .render import RenderedKernel, render_schedule
 
-
 # The schedule's tiles play no part in a one-thread-per-output kernel (only its stages,
 # point loops and covers do): a fixed tile height skips the scheduler's search for one.
 TILE_ROWS = 1
