@@ -1,5 +1,6 @@
 """Shared helpers of the fusion tests: build io chains as graphs with explicit layouts,
-run a generated kernel and the reference interpreter on the same seeded inputs."""
+run a generated kernel, the reference backend (the same schedule interpreted in numpy) and
+PyTorch on the same seeded inputs."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from middleware.backends.x86 import X86Backend
 
+from middleware.backends.reference import ReferenceBackend
+from middleware.backends.x86 import X86Backend
 from middleware.graph import Graph, Node, TensorType
 from middleware.hardware import Hardware, detect
 from middleware.ops import infer_types
 from middleware.options import Options
+from middleware.passes.schedule import Schedule, schedule_group
 
 # (op, attrs) or (op, attrs, extra operands); an extra operand is ("input", shape) for a
 # further graph input, or ("param", shape) for a constant.
@@ -102,8 +105,12 @@ def hardware() -> Hardware:
 def check_group(
     g: Graph, cache: Path, seed: int = 0, atol: float = 1e-5, rtol: float = 1e-5
 ) -> Any:
-    """Generate the whole graph as one group, run it and the reference on the same inputs,
-    assert they match; returns the kernel."""
+    """Generate the whole graph as one group, run it and PyTorch (``Graph.evaluate``) on
+    the same inputs, assert they match; then run the same schedule on the reference backend
+    (numpy) against PyTorch with the same tolerance. Returns the kernel.
+
+    Keep the shapes small (a few thousand elements): the reference backend is an
+    interpreter."""
     names = [n.name for n in g.nodes()]
     kernel = X86Backend().build(g, names, Options(cache_dir=cache), hardware())
     xs = random_inputs(g, seed)
@@ -119,7 +126,34 @@ def check_group(
     out2 = torch.empty_like(got)
     kernel.out_fn(*[by_name[v] for v in kernel.inputs], out2)
     torch.testing.assert_close(out2, ref, atol=atol, rtol=rtol)
+    # the kernel's own schedule (rebuilt when the kernel came from the group index)
+    schedule = kernel.schedule or schedule_group(g, names, hardware())
+    check_reference(schedule, by_name, ref, atol=atol, rtol=rtol)
     return kernel
+
+
+def check_reference(
+    schedule: Schedule,
+    by_name: dict[str, torch.Tensor],
+    ref: torch.Tensor,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+) -> torch.Tensor:
+    """Run ``schedule`` on the reference backend (inputs looked up by value name in
+    ``by_name``), in both its readings (the tiled loop nest, and one output element at a
+    time as CUDA renders it), and assert each output matches ``ref`` in shape, layout and
+    value. Returns the tiled reading's output."""
+    outs = []
+    for per_point in (False, True):
+        kernel = ReferenceBackend().kernel(schedule, per_point=per_point)
+        got = kernel.fn(*[by_name[v] for v in kernel.inputs])
+        assert got.shape == ref.shape
+        out = schedule.buffer(schedule.outputs[0])
+        if out.layout == "nhwc" and len(out.torch_shape) == 4:
+            assert got.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+        outs.append(got)
+    return outs[0]
 
 
 def add(g: Graph, op: str, inputs: Sequence[str], **attrs: Any) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 from collections.abc import Sequence
 
 import islpy as isl
@@ -52,6 +53,7 @@ from ..loops import (
 from ..ops import loops_of
 from .schedule_ir import ORDER, Buffer, Loop, Reduction, Schedule, Stage, Tiling
 
+_ISL_LOCK = threading.RLock()
 # Outputs smaller than this many elements run their tiles on one thread.
 PARALLEL_MIN_ELEMENTS = 1 << 15
 # A pointwise producer read through a window is recomputed at every read (inlined into the
@@ -431,6 +433,7 @@ class _Builder:
         order = ORDER[self.layout]
         in_value = next(x.value for x, through in _loads(d) if through)
         in_shape = logical4(self.graph.values[in_value])
+        out4 = logical4(self.graph.values[d.value])  # the stage's own value
         cons = _window_constraints(windows)
         for win in windows:
             cons.append(f"0 <= {win.input_index()} < {in_shape[win.dim]}")
@@ -467,7 +470,7 @@ class _Builder:
                     valid = f"0 <= {at} < {in_shape[win.dim]}"
                 # over the output coordinate only (no tile origin): one-thread-per-output
                 # backends use it as it is
-                inside = f"0 <= {o} < {self.out4[win.dim]}"
+                inside = f"0 <= {o} < {out4[win.dim]}"
                 ks = isl.Set(f"[{o}] -> {{ [{win.var}] : {c} and {valid} and {inside} }}")
                 lo, hi = ks.dim_min(0), ks.dim_max(0)
                 counts.append(ix.op("add", ih.ix_of(hi.sub(lo)), ix.Int(1)))
@@ -479,14 +482,15 @@ class _Builder:
             loops,
             inner_loop,
             divisor,
-            self.point_loops(dom, kvars),
+            self.point_loops(dom, kvars, out4),
         )
 
-    def point_loops(self, dom: isl.Set, kvars: Sequence[str]) -> tuple[Loop, ...]:
+    @staticmethod
+    def point_loops(dom: isl.Set, kvars: Sequence[str], out4: Sequence[int]) -> tuple[Loop, ...]:
         """The window loops of one output point: ``dom`` (output point and window
         variables, window and input constraints) inside the output, scanned with the
         output coordinates outermost, so the window bounds depend on them only."""
-        inside = " and ".join(f"0 <= {d} < {e}" for d, e in zip(DIMS, self.out4, strict=True))
+        inside = " and ".join(f"0 <= {d} < {e}" for d, e in zip(DIMS, out4, strict=True))
         box = isl.Set(f"{{ S[{', '.join(DIMS)}, {', '.join(kvars)}] : {inside} }}")
         full = dom.intersect(box)
         bounds = ih.ix_bounds(full, range(4 + len(kvars)))
@@ -657,8 +661,9 @@ def schedule_group(
         for v in node.inputs + node.outputs:
             if graph.values[v].dtype != "float32":
                 raise NotFusable(f"value {v} is {graph.values[v].dtype}")
-    b = _Builder(graph, names, hardware)
-    return b.build(group_name(graph, names), tile_rows)
+    with _ISL_LOCK:  # islpy's one shared context is not thread-safe
+        b = _Builder(graph, names, hardware)
+        return b.build(group_name(graph, names), tile_rows)
 
 
 __all__ = [
