@@ -222,10 +222,3 @@ def ix_guard(s: isl.Set, context: isl.Set) -> ix.Ix | None:
         return None
     build = isl.AstBuild.from_context(context)
     return ix_from_ast(build.expr_from_set(dom.intersect(context)))
-
-
-def affine_c(text: str) -> str:
-    """C text of an isl-syntax index (``to_c(ix_index(text))``). Transitional: a schedule's
-    indices are trees already (print them with ``index_expr.to_c``); kept only while
-    ``backends/cuda`` still imports it, to be removed with its last use."""
-    return ix.to_c(ix_index(text))

@@ -194,8 +194,9 @@ class OpLoops:
     ``divisor`` names an averaging rule ("" | "include_pad" | "valid" | "const:<d>").
     ``kind`` "cat": ``slices`` say which channels of the output each input fills.
 
-    Index text uses isl syntax (``floor(c/2)``, ``c mod 2`` for channel shuffles); a
-    renderer turns it into its own (``middleware.isl_helpers.affine_c``).
+    Index text uses isl syntax (``floor(c/2)``, ``c mod 2`` for channel shuffles); the
+    scheduler turns it into index trees (``middleware.isl_helpers.ix_index``) that every
+    backend prints or evaluates.
     """
 
     kind: str
