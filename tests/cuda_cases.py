@@ -19,7 +19,7 @@ import torch
 
 from middleware.graph import Graph, Node, TensorType
 from middleware.hardware import Hardware
-from middleware.ops import infer_types
+from middleware.ops import CATALOGUE, infer_types
 from middleware.passes.schedule import schedule_group
 from middleware.passes.schedule_ir import Schedule
 
@@ -302,6 +302,12 @@ ALL_CASES: dict[str, Callable[[str], tuple[Graph, list[str]]]] = {
     "two_outputs": _two_outputs,
 }
 
+# Every activation of the registry (an op with scalar semantics), with its default attrs:
+# an op added to the registry is rendered, compiled and checked here without a new case.
+REGISTRY_ACTIVATIONS = sorted(n for n, op in CATALOGUE.items() if op.pointwise is not None)
+for _name in REGISTRY_ACTIVATIONS:
+    ALL_CASES[f"registry_{_name}"] = _unary(_name, **dict(CATALOGUE[_name].defaults))
+
 # case -> (the op of the case that has no loop semantics, so no generated kernel, and the
 # reason the report gives): the CUDA backend runs it through the framework (cuDNN/ATen)
 FRAMEWORK_OPS: dict[str, tuple[str, str]] = {
@@ -324,11 +330,14 @@ def schedule_of(graph: Graph, names: list[str], hardware: Hardware = FAKE_GPU) -
     return schedule_group(graph, names, hardware)
 
 
-def special_inputs(graph: Graph, seed: int = 0, plus_inf: bool = True) -> list[torch.Tensor]:
+def special_inputs(graph: Graph, seed: int = 0) -> list[torch.Tensor]:
     """:func:`inputs_for` with NaN, +inf and -inf planted at seeded positions (about one
-    element in eight), to check PyTorch's NaN and infinity semantics. ``plus_inf=False``
-    plants -inf instead of +inf: erf-GELU(+inf) is NaN in PyTorch's vectorised CPU kernel
-    but +inf in its scalar path and mathematically (tests/test_nan_semantics.py)."""
+    element in eight), to check PyTorch's NaN and infinity semantics. A graph with an
+    erf-GELU gets -inf instead of +inf: erf-GELU(+inf) is NaN in PyTorch's vectorised CPU
+    kernel but +inf in its scalar path and mathematically (tests/test_nan_semantics.py)."""
+    plus_inf = not any(
+        n.op == "gelu" and n.attrs.get("approximate", "none") == "none" for n in graph.nodes()
+    )
     gen = torch.Generator().manual_seed(seed + 1)
     out = []
     for x in inputs_for(graph, seed):

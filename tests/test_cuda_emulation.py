@@ -10,7 +10,6 @@ through the framework, with the reason.
 
 from __future__ import annotations
 
-import functools
 import shutil
 import zlib
 
@@ -70,8 +69,7 @@ def test_nan_and_infinity_match_pytorch(case, layout, all_cases_library):
     """The same kernels on inputs holding NaN, +inf and -inf: PyTorch's NaN semantics
     (relu, clamp, max-pooling and maximum propagate a NaN; sums of infinities)."""
     graph, names = CASES[case](layout)
-    make = functools.partial(special_inputs, plus_inf=case != "gelu")  # see special_inputs
-    _check_emulated(graph, names, all_cases_library, f"{case}/{layout}", make, "nan")
+    _check_emulated(graph, names, all_cases_library, f"{case}/{layout}", special_inputs, "nan")
 
 
 def _check_emulated(graph, names, library, name: str, make_inputs=inputs_for, salt="") -> None:  # noqa: ANN001

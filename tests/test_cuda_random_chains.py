@@ -14,6 +14,7 @@ import pytest
 import torch
 from cuda_cases import (
     FAKE_GPU,
+    REGISTRY_ACTIVATIONS,
     Builder,
     avg_attrs,
     inputs_for,
@@ -25,10 +26,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from middleware.backends.cuda.kernel import emulate_schedule
+from middleware.ops import CATALOGUE
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
 
-ACTIVATIONS = ["relu", "sigmoid", "tanh", "silu", "hardswish", "hardsigmoid", "gelu"]
+# every activation of the registry, with its default attrs
+ACTIVATIONS = REGISTRY_ACTIVATIONS
 
 
 @st.composite
@@ -64,7 +67,7 @@ def _build(layout, shape, steps):
     x = b.input("x", shape)
     for kind, arg in steps:
         if kind == "act":
-            x = b.node(arg, (x,), **({"approximate": "none"} if arg == "gelu" else {}))
+            x = b.node(arg, (x,), **dict(CATALOGUE[arg].defaults))
         elif kind == "bn":
             x = b.bn(x)
         elif kind == "scalar":
