@@ -235,6 +235,13 @@ def element_functions(s: Schedule) -> list[dict]:
 
 
 # ------------------------------------------------------------------------- kernel
+def _innermost(b: Buffer) -> int:
+    """The logical dim that varies fastest in ``b``'s memory among those longer than 1
+    (a (N, C) value's C, not its logical w of size 1)."""
+    order = ORDER[b.layout]
+    return next((d for d in reversed(order) if b.shape[d] > 1), order[-1])
+
+
 def vector_width(s: Schedule) -> int:
     """``VECTOR`` when every op of the schedule is elementwise and the output's innermost
     memory dimension is a multiple of it. A window over the innermost dimension would
@@ -243,8 +250,7 @@ def vector_width(s: Schedule) -> int:
     if not all(get_op(op).elementwise for op in s.ops):
         return 1
     out = s.buffer(s.outputs[0])
-    inner = ORDER[out.layout][-1]
-    return VECTOR if out.shape[inner] % VECTOR == 0 else 1
+    return VECTOR if out.shape[_innermost(out)] % VECTOR == 0 else 1
 
 
 def _decompose(shape: tuple[int, ...], order: tuple[int, ...]) -> list[dict[str, str]]:
@@ -282,7 +288,7 @@ def render_schedule(
     out = s.buffer(s.outputs[0])
     vec = vector_width(s)
     order = ORDER[out.layout]
-    inner = DIMS[order[-1]]
+    inner = DIMS[_innermost(out)]
     calls = []
     for k in range(vec):
         calls.append(", ".join(f"{d} + {k}" if d == inner and k else d for d in DIMS))
