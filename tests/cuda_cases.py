@@ -242,6 +242,13 @@ def _two_outputs(lay: str) -> tuple[Graph, list[str]]:
     return b.done(r, b.node("avg_pool2d", (r,), **avg_attrs(2, 2, ceil=True)))
 
 
+def _rank2(lay: str) -> tuple[Graph, list[str]]:
+    """A classifier head's elementwise ops on (N, C): C is the innermost memory dim."""
+    b = Builder(lay)
+    x = b.input("x", (3, 12))
+    return b.done(b.node("relu", (b.node("add", (x,), scalar=0.5),)))
+
+
 def _residual_add(lay: str) -> tuple[Graph, list[str]]:
     b = Builder(lay)
     x = b.input("x", (2, 5, 4, 3))
@@ -300,6 +307,7 @@ ALL_CASES: dict[str, Callable[[str], tuple[Graph, list[str]]]] = {
     "depthwise_residual": _depthwise(1, None, residual=True),
     "grouped_conv_relu": _grouped_conv,
     "two_outputs": _two_outputs,
+    "rank2_add_relu": _rank2,
 }
 
 # Every activation of the registry (an op with scalar semantics), with its default attrs:

@@ -140,6 +140,8 @@ def test_most_widened_cases_compute_four_elements_per_thread():
         if not all(get_op(graph.node(n).op).elementwise for n in names):
             assert widths[c, lay] == 1, (c, lay)  # windows keep a warp's loads adjacent
     assert len(WIDE) > 50 and list(widths.values()).count(4) > 30
+    # a (N, C) output: 4 along C, its innermost memory dim
+    assert vector_width(schedule_of(*CASES["rank2_add_relu"]("nchw"))) == 4
 
 
 @pytest.mark.parametrize("case,layout", WIDE)
