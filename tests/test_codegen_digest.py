@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from middleware.backends.x86 import index
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,17 +36,22 @@ def test_digest_covers_every_source_and_template() -> None:
         "middleware/graph.py",
         "middleware/loops.py",
         "middleware/isl_helpers.py",
+        "middleware/index_expr.py",
         "middleware.backends.x86/templates/group.ispc.j2",
         "middleware.backends.x86/templates/group_glue.c.j2",
         "middleware.backends.cuda/templates/kernel.cu.j2",
     ):
         assert name in files, name
     # every module of the source tree, whatever folder the editable install maps it from
-    tree = {"middleware": "middleware", "frontends": "middleware.frontends"}
-    tree.update({"passes": "middleware.passes", "runtime": "middleware.runtime"})
-    tree.update({"backends": "middleware.backends", "backends/x86": "middleware.backends.x86"})
+    tree = {"middleware": "middleware", "middleware/frontends": "middleware.frontends"}
+    tree.update({"middleware/passes": "middleware.passes"})
+    tree.update({"middleware/runtime": "middleware.runtime"})
+    tree.update({"middleware/backends": "middleware.backends"})
+    tree.update({"middleware/backends/x86": "middleware.backends.x86"})
     for folder, pkg in tree.items():
-        for py in (REPO / folder).glob("*.py"):
+        modules = list((REPO / folder).glob("*.py"))
+        assert modules, folder
+        for py in modules:
             assert f"{pkg}/{py.name}" in files, py
 
 
