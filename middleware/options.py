@@ -54,7 +54,7 @@ class Options:
     # slice (wherever a prefix exists), or 0 (never).
     batch_chunk: int | str = "auto"
     # On CPU, 3x3 stride-1 convolutions that the measured rule picks run as Winograd
-    # F(4x4, 3x3) (backends/x86/winograd.py): generated transforms around the framework's
+    # F(4x4, 3x3) (backends/vendor/winograd.py): generated transforms around the framework's
     # batched GEMM, 2-2.5x faster on large layers, within ~1e-5 of the output's scale per
     # layer. False keeps every convolution in oneDNN's direct algorithm.
     winograd: bool = True

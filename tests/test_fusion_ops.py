@@ -119,12 +119,13 @@ def test_depthwise_conv(layout, k, s, p, cache):
 
 def test_depthwise_conv_in_an_io_group_runs_through_onednn(cache):
     """On x86 oneDNN's depthwise convolution (with its fused post-op) is faster than the
-    generated one (backends/x86/units.py, VENDOR_FASTER): it splits its group, the nodes
+    generated one (backends/cpu/units.py, VENDOR_FASTER): it splits its group, the nodes
     around it are still generated, and the plan equals the reference."""
     import torch
     from fusion_helpers import hardware
-    from middleware.backends.x86 import X86Backend
-    from middleware.backends.x86.units import fusion_units
+
+    from middleware.backends.cpu import CpuBackend
+    from middleware.backends.cpu.units import fusion_units
     from middleware.options import Options
     from middleware.runtime.plan import build_plan
 
@@ -142,12 +143,12 @@ def test_depthwise_conv_in_an_io_group_runs_through_onednn(cache):
     ]
     g = build_chain((2, c, 9, 8), "nchw", steps, seed=5)
     opts = Options(cache_dir=cache)
-    fused, failed = fusion_units(X86Backend(), g, opts, hardware())
+    fused, failed = fusion_units(CpuBackend(), g, opts, hardware())
     covered = {n for u in fused.values() for n in u.nodes}
     conv = [n.name for n in g.nodes() if n.op == "conv2d"]
     assert conv and not set(conv) & covered and not failed
     assert len(covered) == len(g) - 1  # everything else is generated
-    units = X86Backend().units(g, opts, hardware(), torch.device("cpu"))
+    units = CpuBackend().units(g, opts, hardware(), torch.device("cpu"))
     assert [u.runs_as for u in units if u.nodes == tuple(conv)] == ["vendor"]
     x = torch.randn(g.values[g.inputs[0]].shape, generator=torch.Generator().manual_seed(3))
     plan = build_plan(g, torch.device("cpu"), units, plan_memory=True)

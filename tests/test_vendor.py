@@ -1,4 +1,4 @@
-"""The vendor calls (backends/x86/vendor.py) against the catalogue reference.
+"""The vendor calls (backends/vendor/calls.py) against the catalogue reference.
 
 Every case builds a one-node graph, asks ``vendor_kernel`` for a callable and compares it
 with ``get_op(op).bind(node)`` on seeded random inputs, in both layouts. Tolerance: the
@@ -15,7 +15,7 @@ import pytest
 import torch
 from fusion_helpers import conv_graph
 
-from middleware.backends.x86.vendor import (
+from middleware.backends.vendor.calls import (
     LINEAR_RULES,
     inplace_activation,
     linear_impl,
@@ -213,7 +213,7 @@ def test_cuda_conv(act, residual):
 
 def test_compiler_runs_conv_and_linear_through_vendor_kernels(tmp_path):
     """optimize() hands conv2d/linear nodes the prepacked vendor callables (hook in
-    backends/x86/units.py ``cpu_units``) and still matches eager PyTorch."""
+    backends/cpu/units.py ``cpu_units``) and still matches eager PyTorch."""
     import middleware
 
     torch.manual_seed(0)

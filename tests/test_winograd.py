@@ -1,4 +1,4 @@
-"""Winograd F(4x4, 3x3) convolutions (backends/x86/winograd.py) against PyTorch.
+"""Winograd F(4x4, 3x3) convolutions (backends/vendor/winograd.py) against PyTorch.
 
 Each case builds a one-node conv graph (seeded weights), runs the Winograd call and the
 catalogue reference (``F.conv2d`` + epilogue) on seeded random inputs. Tolerance: F(4x4,
@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn as nn
 from fusion_helpers import conv_graph, hardware
-from middleware.backends.x86 import winograd as wg
 
 import middleware
-from middleware.pipeline import compile_graph
+from middleware.backends.vendor import winograd as wg
 from middleware.errors import CompileError
 from middleware.ops import get_op
 from middleware.options import Options
+from middleware.pipeline import compile_graph
 
 CL = torch.channels_last
 

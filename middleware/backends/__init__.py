@@ -57,8 +57,8 @@ def _lazy(module: str, cls: str) -> Callable[[], Backend]:
 # in Python/numpy (backends/reference/, the golden model of the tests; no device default).
 # Further backends register through register_backend.
 BACKENDS: dict[str, Callable[[], Backend]] = {
-    "x86": _lazy(".x86.backend", "X86Backend"),
-    "ispc": _lazy(".x86.backend", "IspcBackend"),
+    "x86": _lazy(".cpu.backend", "CpuBackend"),
+    "ispc": _lazy(".cpu.backend", "IspcCpuBackend"),
     "cuda": _lazy(".cuda.backend", "CudaBackend"),
     "reference": _lazy(".reference.backend", "ReferenceBackend"),
 }

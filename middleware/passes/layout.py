@@ -4,7 +4,7 @@ need one memory order.
 
 The network layout is data (``LAYOUT_RULES``: device kind -> layout for ``layout="auto"``).
 Measured on the 2-core Sapphire Rapids host (torch 2.14.1, interleaved in one process, see
-shared/MEASURED.md and backends/x86/vendor.py): channels_last ("nhwc") is as fast or faster
+shared/MEASURED.md and backends/vendor/calls.py): channels_last ("nhwc") is as fast or faster
 for every oneDNN convolution shape tried (16x64x56x56 3x3: 17 vs 19-26 ms; 1x1 256->64:
 9.8 vs 31 ms; depthwise 144ch: 4.6 vs 19 ms; 7x7/2 stem: 35 vs 37-57 ms), and the
 pooling and batch-norm kernels of ATen are 3-8x faster in channels_last (BN -> ReLU ->

@@ -1,5 +1,5 @@
-"""The x86 backend: ordered stages schedule -> render -> compile -> load, and the
-pipeline's :class:`~middleware.backends.interface.Backend` for the CPU.
+"""The x86 code generators: ordered stages schedule -> render -> compile -> load (the
+pipeline's CPU backend, ``backends/cpu``, builds its io groups' kernels with them).
 
 ``X86Backend().build(graph, nodes, options, hardware)`` returns a :class:`GeneratedKernel`
 whose ``fn(*inputs)`` allocates the output (``torch.empty`` on the inputs' device, in the
@@ -23,12 +23,10 @@ from ...hardware import Hardware
 from ...loops import Call, NotFusable
 from ...options import Options
 from ...passes.schedule import Schedule, schedule_group
-from ..interface import Unit
 from . import index
 from .cfuncs import UNSUPPORTED_ISPC
 from .compile import Built, build_c, build_ispc
 from .render import render_c, render_ispc
-from .units import cpu_units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,31 +107,11 @@ def _callables(
 
 
 class X86Backend:
-    """OpenMP C through the system C compiler; the vendor calls (oneDNN, Winograd) for the
-    rest of the graph."""
+    """OpenMP C through the system C compiler."""
 
     name = "x86"
-    device_type = "cpu"
-    slices_batch = True  # batch slicing pays on CPU caches (runtime/chunked.py)
     stages = ("schedule", "render", "compile", "load")
     use_index = True  # consult the group index (backends/x86/index.py) before scheduling
-
-    # ------------------------------------------------------- the pipeline's interface
-    def lower(self, graph: Graph, options: Options) -> Graph:
-        """No CPU-specific rewrites: the passes' graph is what runs."""
-        return graph
-
-    def units(
-        self, graph: Graph, options: Options, hardware: Hardware, device: torch.device
-    ) -> list[Unit]:
-        """Generated kernels for the io groups, vendor calls for the rest (units.cpu_units)."""
-        return cpu_units(self, graph, options, hardware, device)
-
-    def finish(self, plan: Any, options: Options, inputs: Sequence[torch.Tensor] | None) -> Any:
-        """A CPU plan runs as built."""
-        return plan
-
-    # ------------------------------------------------------- the code generator
 
     def can_run(
         self,

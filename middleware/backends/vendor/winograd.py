@@ -44,11 +44,11 @@ from ...loops import Acc, NotFusable
 from ...ops import activation_expr
 from ...options import Options
 from ..cache import kernel_cache
-from .build import c_build_request, load_shared
-from .cfuncs import c_expr
-from .compile import build_c
-from .render import environment
-from .vendor import _conv_geometry, activation_attrs
+from ..x86.build import c_build_request, load_shared
+from ..x86.cfuncs import c_expr
+from ..x86.compile import build_c
+from ..x86.render import environment
+from .calls import _conv_geometry, activation_attrs
 
 # When a convolution runs as Winograd (else oneDNN's direct call). Measured on the 2-core
 # AVX-512 host (torch 2.14.1), ReLU epilogue, against the prepacked oneDNN call, with an

@@ -1,0 +1,46 @@
+"""The pipeline's :class:`~middleware.backends.interface.Backend` for CPUs.
+
+A CPU backend is a code generator of ``backends/x86`` (OpenMP C, or ISPC) for the
+I/O-bound groups, plus the vendor module's algorithms (oneDNN, Winograd) and the framework
+for the rest (``units.cpu_units``). No CPU-specific lowering, nothing to add to the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ...graph import Graph
+from ...hardware import Hardware
+from ...options import Options
+from ..interface import Unit
+from ..x86.backend import IspcBackend, X86Backend
+from .units import cpu_units
+
+
+class CpuBackend(X86Backend):
+    """OpenMP C kernels for io groups; oneDNN (prepacked, fused post-ops) and Winograd for
+    convolutions and matrix products."""
+
+    device_type = "cpu"
+    slices_batch = True  # batch slicing pays on CPU caches (runtime/chunked.py)
+
+    def lower(self, graph: Graph, options: Options) -> Graph:
+        """No CPU-specific rewrites: the passes' graph is what runs."""
+        return graph
+
+    def units(
+        self, graph: Graph, options: Options, hardware: Hardware, device: torch.device
+    ) -> list[Unit]:
+        """Generated kernels for the io groups, vendor calls for the rest (cpu_units)."""
+        return cpu_units(self, graph, options, hardware, device)
+
+    def finish(self, plan: Any, options: Options, inputs: Sequence[torch.Tensor] | None) -> Any:
+        """A CPU plan runs as built."""
+        return plan
+
+
+class IspcCpuBackend(IspcBackend, CpuBackend):
+    """:class:`CpuBackend` with ISPC kernels for the io groups (an ``ispc`` binary on PATH)."""
