@@ -26,7 +26,7 @@ Record conventions (for every renderer):
   (``isl_helpers.ix_index``), so no renderer parses text.
 * Expressions use the closed function vocabulary ``middleware.loops.FUNCTIONS``; a
   renderer needs one table from those names to its spelling (backends/x86/cfuncs.py,
-  backends/reference/backend.py).
+  backends/cuda/funcs.py, backends/reference/functions.py).
 * How to run a stage (every backend does the same): for each tile (the ``Tiling`` origins,
   ``t_d = 0, sizes[d], 2*sizes[d], ... < extents[d]`` on the dims with a parameter,
   parallel), for each stage in order, if ``guard`` holds (None: always): scan ``loops``;
@@ -35,10 +35,12 @@ Record conventions (for every renderer):
   ``acc = op(acc, body)`` ("max" or "sum"), then store ``expr`` over ``inner`` with
   ``Acc`` = ``acc[i - inner.lo] / divisor`` (no division when ``divisor`` is None).
   ``acc`` holds ``Schedule.acc_elems`` floats per thread; scratch buffers are per thread.
-* One thread per output element (CUDA): for an output point ``(n, c, h, w)`` of the
-  final output, the stage writing the output whose ``covers`` holds (None: always) gives
-  the element: ``expr`` with ``Acc`` = ``op`` of ``body`` over the ``point_loops`` taps
-  (from ``init``), divided by ``divisor``. Tiles, guards and scratch origins play no part.
+* One thread per output element (CUDA; ``backends/reference/points.py``): the element
+  ``(n, c, h, w)`` of a value is given by the first of the stages writing its buffer
+  whose ``covers`` holds there (None: always): ``expr`` with ``Acc`` = ``op`` of ``body``
+  over the ``point_loops`` taps (from ``init``), divided by ``divisor``; a load of a
+  scratch value is that value's element at the load's index (recomputed). Tiles, loops,
+  guards, scratch origins and extents play no part.
 
 These records are stable: renderers (x86 C, ISPC, CUDA, reference) depend on them; the
 field names below are the interface.
