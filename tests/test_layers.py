@@ -64,3 +64,25 @@ def test_records_hold_enums_and_compare_as_strings() -> None:
     assert u.runs_as is RunsAs.GENERATED and u.runs_as == "generated"
     with pytest.raises(ValueError):
         Node("b", "relu", ("x",), ("z",), bound="fast")
+
+
+def test_cuda_backend_wraps_lowering_and_graph_replay() -> None:
+    """The CUDA backend through the interface, without a GPU: its lowering (batch norms
+    as a multiply-add), no "auto" batch slicing, and the plan wrapped for CUDA-graph replay
+    only when Options(cuda_graphs=True) (captured later: no inputs given here)."""
+    from fusion_helpers import bn, build_chain
+
+    from middleware.backends.cuda.graphs import CudaGraphPlan
+    from middleware.options import Options
+
+    cuda = backends.backend_for("cuda:0")
+    assert isinstance(cuda, Backend) and (cuda.name, cuda.slices_batch) == ("cuda", False)
+    g = build_chain((2, 4, 5, 5), "nchw", [bn(), ("relu", {})], seed=1)
+    lowered = cuda.lower(g, Options(device="cuda"))
+    assert [n.op for n in lowered.nodes()] == ["mul", "add", "relu"]
+    x = torch.randn(2, 4, 5, 5)
+    torch.testing.assert_close(lowered.evaluate(x), g.evaluate(x), rtol=1e-5, atol=1e-5)
+    plan = object()
+    assert cuda.finish(plan, Options(device="cuda", cuda_graphs=False), None) is plan
+    wrapped = cuda.finish(plan, Options(device="cuda"), None)
+    assert isinstance(wrapped, CudaGraphPlan) and wrapped.plan is plan and wrapped.graphed is None

@@ -15,8 +15,10 @@ import torch.nn as nn
 from fusion_helpers import conv_graph, hardware
 
 import middleware
+from middleware.backends.vendor import ALGORITHMS, vendor_call
 from middleware.backends.vendor import winograd as wg
 from middleware.errors import CompileError
+from middleware.graph import Node
 from middleware.ops import get_op
 from middleware.options import Options
 from middleware.pipeline import compile_graph
@@ -292,3 +294,23 @@ def test_prebuild_compiles_every_variant_the_graph_needs(tmp_path):
     )
     assert len(wanted) == 2 and built == wanted  # conv + BN + ReLU; conv + BN + residual + ReLU
     assert all(list((tmp_path / "b" / "kernels").glob(f"{w}-*/kernel.so")) for w in wanted)
+
+
+def test_vendor_algorithms_try_winograd_then_the_direct_call(monkeypatch, tmp_path):
+    """conv2d's algorithms in the vendor module (backends/vendor/algorithms.py): Winograd
+    where its rule and Options(winograd=True) allow it, else oneDNN's direct call; an op
+    without algorithms gets none (the catalogue reference runs)."""
+    monkeypatch.setattr(wg, "MIN_PIXELS", 256)
+    assert [a.name for a in ALGORITHMS["conv2d"]] == ["winograd", "direct"]
+    g, node = conv_graph((1, 64, 16, 16), (64, 64, 3, 3), "nhwc", padding=1)
+    cpu = torch.device("cpu")
+    fn, reason = vendor_call(g, node, cpu, Options(cache_dir=tmp_path), hardware())
+    assert reason.startswith("winograd") and fn.algorithm == reason
+    fn, reason = vendor_call(g, node, cpu, Options(cache_dir=tmp_path, winograd=False), hardware())
+    assert reason == "" and not hasattr(fn, "algorithm")
+    args = _inputs(g)
+    _close(fn(*args), get_op("conv2d").bind(node)(*args))
+    small, small_node = conv_graph((1, 64, 8, 8), (64, 64, 3, 3), "nhwc", padding=1)
+    assert vendor_call(small, small_node, cpu, Options(cache_dir=tmp_path), hardware())[1] == ""
+    relu = Node("r", "relu", ("x",), ("y",))
+    assert vendor_call(g, relu, cpu, Options(cache_dir=tmp_path), hardware()) is None
