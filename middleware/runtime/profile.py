@@ -33,6 +33,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..enums import RunsAs
+
 # measured vs planned optimized peak: relative disagreement that triggers a warning
 PLAN_TOLERANCE = 0.10
 MIB = 2**20
@@ -134,7 +136,7 @@ class GroupProfile:
     """One step of the optimized plan: a fused group, a vendor call or a fallback."""
 
     step: str
-    runs_as: str
+    runs_as: RunsAs
     nodes: tuple[str, ...]
     ops: tuple[str, ...]
     time_ms: float
