@@ -219,3 +219,22 @@ def test_random_dags_give_convex_contiguous_one_output_groups_on_a_gpu(spec):
         ]
         assert len(escaping) <= 1 and (not escaping or escaping[0] == ms[-1].name)
     check_equivalent(g, g2, tol=0.0)
+
+
+def test_channel_shuffle_views_join_the_group_on_a_gpu():
+    """relu -> reshape(N, g, C/g, H, W) -> permute -> reshape(N, C, H, W): the 5-d views
+    have no loop semantics, but the final reshape's semantics read the relu's output
+    through them (a channel shuffle), so all four are one group; a permute read by no
+    such node stays alone."""
+    g = _chain(
+        [
+            ("relu", {}),
+            ("reshape", {"shape": (1, 2, 2, 9, 9)}),
+            ("permute", {"dims": (0, 2, 1, 3, 4)}),
+            ("reshape", {"shape": (1, 4, 9, 9)}),
+        ],
+        (1, 4, 9, 9),
+    )
+    assert [n.group for n in group(g, GPU).nodes()] == [0, 0, 0, 0]
+    g = _chain([("relu", {}), ("permute", {"dims": (0, 2, 3, 1)}), ("relu", {})], (1, 4, 9, 9))
+    assert [n.group for n in group(g, GPU).nodes()] == [0, 1, 2]

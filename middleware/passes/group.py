@@ -20,7 +20,9 @@ io groups also follow what that costs, so that the backend takes every group as 
 - an io node without loop semantics (no generated code: a dense convolution, softmax,
   split, permute) or reducing more than ``MAX_SERIAL_REDUCTION`` elements per output (one
   thread would reduce them serially; the framework's parallel reduction is faster) is a
-  group of its own, which the backend leaves to the framework;
+  group of its own, which the backend leaves to the framework; except a view that a later
+  node's loop semantics read through (a channel shuffle's reshape and permute,
+  :func:`bypassed`);
 - a reduction over more than ``MAX_PULLED_REDUCTION`` elements per output starts a group
   (it reads its input from memory instead of recomputing the producers for every element);
 - a window that would recompute some element of its group more than ``MAX_RECOMPUTE``
@@ -36,7 +38,7 @@ import math
 
 from ..graph import Graph, Node
 from ..hardware import Hardware
-from ..loops import NotFusable, OpLoops, logical4
+from ..loops import Load, NotFusable, OpLoops, leaves, logical4
 from ..ops import get_op, loops_of
 
 # One thread sums a reduction's whole extent serially: mobilenet_v3_small's SE global
@@ -149,15 +151,57 @@ def group(graph: Graph, hardware: Hardware | None = None) -> Graph:
     return graph.rebuild(records)
 
 
+def _reads(sem: OpLoops) -> set[str]:
+    """The values a node's loop semantics load."""
+    exprs = [sem.expr] + ([sem.body] if sem.body is not None else [])
+    out = {x.value for e in exprs for x in leaves(e) if isinstance(x, Load)}
+    return out | {v for v, _, _ in sem.slices}
+
+
+def bypassed(graph: Graph) -> set[str]:
+    """Views without loop semantics that a later node's loop semantics read through: a
+    channel shuffle's ``reshape(N, g, C/g, H, W) -> permute`` before the final reshape,
+    whose semantics load the shuffled value itself. Such a view never needs its own
+    element, so it may sit inside a group."""
+    out: set[str] = set()
+    for m in graph.nodes():
+        sem = _semantics(graph, m)
+        if sem is None:
+            continue
+        read = _reads(sem)
+        for v in m.inputs:
+            path: list[str] = []
+            p = graph.producer(v)
+            while (
+                v not in read
+                and p is not None
+                and get_op(p.op).view_like
+                and len(p.outputs) == 1
+                and len(p.inputs) == 1
+                and len(graph.consumers(p.outputs[0])) == 1
+                and _semantics(graph, p) is None
+            ):
+                path.append(p.name)
+                v = p.inputs[0]
+                if v in read:
+                    out.update(path)
+                    break
+                p = graph.producer(v)
+    return out
+
+
 class _PerPoint:
     """The grouping rules of one-thread-per-output devices (see the module's doc)."""
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.factor: dict[str, float] = {}  # node -> times its elements are computed
+        self.bypassed = bypassed(graph)
 
     def alone(self, n: Node) -> bool:
-        return n.bound == "io" and (
+        if n.bound != "io" or n.name in self.bypassed:
+            return False
+        return (
             _semantics(self.graph, n) is None
             or reduction_extent(self.graph, n) > MAX_SERIAL_REDUCTION
         )

@@ -25,7 +25,7 @@ from ...hardware import Hardware
 from ...loops import NotFusable
 from ...ops import get_op, loops_of
 from ...options import Options
-from ...passes.group import MAX_SERIAL_REDUCTION, group, io_groups, reduction_extent
+from ...passes.group import MAX_SERIAL_REDUCTION, bypassed, group, io_groups, reduction_extent
 from ...passes.schedule import schedule_group
 from ...passes.schedule_ir import Schedule
 from ..interface import Unit, node_step, to_tensor
@@ -62,8 +62,9 @@ def why_unsupported(graph: Graph, names: Sequence[str], hardware: Hardware) -> s
     the scheduler refuses, a function without a CUDA spelling)."""
     if all(get_op(graph.node(n).op).view_like for n in names):
         return "views only: free in the framework, no kernel needed"
+    through = bypassed(graph)
     for n in names:
-        reason = _node_reason(graph, graph.node(n))
+        reason = "" if n in through else _node_reason(graph, graph.node(n))
         if reason:
             return f"{graph.node(n).op} {n}: {reason}"
     try:
@@ -81,12 +82,13 @@ def generated_groups(graph: Graph, hardware: Hardware) -> list[list[str]]:
     return io_groups(graph)
 
 
-def _left_out(graph: Graph, names: Sequence[str]) -> dict[str, str]:
+def _left_out(graph: Graph, names: Sequence[str], through: set[str]) -> dict[str, str]:
     """The reason of every node of group ``names`` when the group is left to the
-    framework before scheduling (empty when it is scheduled)."""
+    framework before scheduling (empty when it is scheduled). ``through``: views that
+    other nodes' loop semantics read through (``passes.group.bypassed``)."""
     if all(get_op(graph.node(n).op).view_like for n in names):
         return {n: "views only: free in the framework, no kernel needed" for n in names}
-    reasons = {n: _node_reason(graph, graph.node(n)) for n in names}
+    reasons = {n: "" if n in through else _node_reason(graph, graph.node(n)) for n in names}
     bad = [n for n, r in reasons.items() if r]
     if not bad:
         return {}
@@ -118,8 +120,9 @@ def cuda_units(
     why: dict[str, str] = {}
     rendered: dict[int, RenderedKernel] = {}
     requests = []
+    through = bypassed(graph) if groups else set()
     for gid, names in enumerate(groups):
-        left = _left_out(graph, names)
+        left = _left_out(graph, names, through)
         if left:
             why.update(left)
             continue
