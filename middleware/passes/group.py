@@ -13,8 +13,9 @@ A node with several io producers first tries to merge all their groups with itse
 group, e.g. the parts of a concat), then each one alone (the latest producer first).
 Compute and param nodes (vendor calls) start a group each.
 
-On a device that computes a group one thread per output element (``Hardware.kind``
-"cuda": every thread pulls its inputs through the whole group, recomputing what it needs),
+On a device that computes a group one thread per output element (a GPU: threads in
+warps, :func:`per_output_thread`; every thread pulls its inputs through the whole group,
+recomputing what it needs),
 io groups also follow what that costs, so that the backend takes every group as it is:
 
 - an io node without loop semantics (no generated code: a dense convolution, softmax,
@@ -57,8 +58,10 @@ MAX_RECOMPUTE = 64.0
 
 
 def per_output_thread(hardware: Hardware | None) -> bool:
-    """Whether ``hardware`` runs a group one thread per output element (CUDA)."""
-    return hardware is not None and hardware.kind == "cuda"
+    """Whether ``hardware`` runs a group one thread per output element: a SIMT device,
+    whose threads run in warps (``Hardware.warp_size`` > 1: a GPU), where a group's
+    kernel gives each thread one output element and no scratch to share."""
+    return hardware is not None and hardware.warp_size > 1
 
 
 def _semantics(graph: Graph, n: Node) -> OpLoops | None:
