@@ -66,7 +66,10 @@ PACKAGES = (
     "middleware.passes",
     "middleware.backends",
     "middleware.backends.x86",
+    "middleware.backends.cpu",
+    "middleware.backends.vendor",
     "middleware.backends.cuda",
+    "middleware.backends.reference",
     "middleware.runtime",
 )
 # What a package's folder holds that is code: its modules, kernel headers and, in its
