@@ -47,7 +47,8 @@ def test_digest_covers_every_source_and_template() -> None:
     tree.update({"middleware/passes": "middleware.passes"})
     tree.update({"middleware/runtime": "middleware.runtime"})
     tree.update({"middleware/backends": "middleware.backends"})
-    tree.update({"middleware/backends/x86": "middleware.backends.x86"})
+    for sub in ("x86", "cpu", "vendor", "cuda", "reference"):
+        tree[f"middleware/backends/{sub}"] = f"middleware.backends.{sub}"
     for folder, pkg in tree.items():
         modules = list((REPO / folder).glob("*.py"))
         assert modules, folder
