@@ -28,6 +28,7 @@ import jinja2
 from ...errors import UnsupportedError
 from ...graph import TensorType
 from ...hardware import Hardware
+from ...index_expr import to_c
 from ...loops import DIMS, Acc, Load, ParamVec, leaves
 from ...ops import get_op
 from ...passes.schedule_ir import ORDER, Buffer, Schedule, Stage
@@ -219,7 +220,7 @@ def element_functions(s: Schedule) -> list[dict]:
                 body += lines
                 covered = True
                 break
-            body.append(f"if ({index_c(cond)}) {{")
+            body.append(f"if ({to_c(cond)}) {{")
             body += ["  " + line for line in lines]
             body.append("}")
         if not covered:
