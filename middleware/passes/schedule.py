@@ -473,8 +473,13 @@ class _Builder:
                 inside = f"0 <= {o} < {out4[win.dim]}"
                 ks = isl.Set(f"[{o}] -> {{ [{win.var}] : {c} and {valid} and {inside} }}")
                 lo, hi = ks.dim_min(0), ks.dim_max(0)
-                counts.append(ix.op("add", ih.ix_of(hi.sub(lo)), ix.Int(1)))
-            divisor = counts[0] if len(counts) == 1 else ix.Op("mul", tuple(counts))
+                span = ih.ix_of(hi.sub(lo))
+                counts.append(
+                    ix.Int(span.value + 1)
+                    if isinstance(span, ix.Int)
+                    else ix.op("add", span, ix.Int(1))
+                )
+            divisor = _product(counts)
         return Reduction(
             red.reduce,
             red.init,
@@ -605,6 +610,20 @@ def _structured(expr: Expr) -> Expr:
         return None
 
     return substitute(expr, leaf)
+
+
+def _product(factors: Sequence[ix.Ix]) -> ix.Ix:
+    """The product of ``factors`` with its constant factors multiplied out."""
+    const = 1
+    rest: list[ix.Ix] = []
+    for f in factors:
+        if isinstance(f, ix.Int):
+            const *= f.value
+        else:
+            rest.append(f)
+    if const != 1 or not rest:
+        rest.insert(0, ix.Int(const))
+    return rest[0] if len(rest) == 1 else ix.Op("mul", tuple(rest))
 
 
 def _channel_range(channels: tuple[int, int] | None) -> ix.Ix | None:
