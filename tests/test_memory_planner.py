@@ -12,13 +12,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from middleware.runtime import memory
-from middleware.runtime.plan import build_plan
 
 import middleware
 from middleware.graph import Graph, Node, TensorType
 from middleware.models import NETWORKS
 from middleware.ops import ValueRef, infer_types
+from middleware.runtime import arena, memory, planned_steps, storage_classes
+from middleware.runtime.plan import build_plan
 
 H = W = 5
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -225,7 +225,7 @@ def _checked_plan(g: Graph, slack: float):  # noqa: ANN202
     (classes stay in the arena even where that raises the peak: more reuse to get wrong)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MIDDLEWARE_CHECK_MEMORY", "1")
-        mp.setattr(memory, "ARENA_PEAK_SLACK", slack)
+        mp.setattr(arena, "ARENA_PEAK_SLACK", slack)
         return build_plan(g, torch.device("cpu"), plan_memory=True)
 
 
@@ -522,8 +522,8 @@ def test_check_memory_catches_an_output_in_foreign_arena_bytes() -> None:
     own) and no run-time guard, the alias is reported at the step that makes it."""
     g = _to_layout_alias_graph()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(memory, "_shares_storage", lambda graph, nd: nd.op == "identity")
-        mp.setattr(memory, "_fresh_result", lambda fn: fn)
+        mp.setattr(storage_classes, "_shares_storage", lambda graph, nd: nd.op == "identity")
+        mp.setattr(planned_steps, "_fresh_result", lambda fn: fn)
         plan = _checked_plan(g, 10.0)
     with torch.no_grad(), pytest.raises(memory.MemoryCheckError, match="n1_to_nchw"):
         plan.run([_input(g, 1)])

@@ -1,0 +1,327 @@
+"""Step construction: the function the plan calls for each unit under a buffer plan.
+
+The buffer planner's last stage (runtime/memory.py tells the whole story): each unit's
+step writes into its arena view, over a dead input or into its concat slice, through the
+unit's destination-passing form (a generated kernel's ``out_fn``, an op's ATen ``out=``
+form) or a copy right after it; ``check_memory`` wraps every step with a check of where
+its outputs landed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..graph import Graph, TensorType
+from ..ops import get_op, torch_dtype
+from ..options import check_memory_default
+from .arena import BufferPlan, MemoryPlan
+from .storage_classes import StorageClasses
+
+
+@dataclasses.dataclass
+class PlannedUnits:
+    """The planner's product: the memory plan, the arena and one step function per unit
+    (same calling convention as ``Unit.fn``: input tensors in, output(s) returned)."""
+
+    memory: MemoryPlan
+    arena: torch.Tensor | None
+    fns: list[Callable[..., Any]]
+
+
+def build_steps(
+    graph: Graph,
+    units: Sequence[Any],
+    device: torch.device,
+    plan: BufferPlan,
+    check: bool | None = None,
+) -> PlannedUnits:
+    """The arena of ``plan`` and one step function per unit (see ``plan_memory``)."""
+    pl, memory, where, scratch, types = (
+        plan.classes,
+        plan.memory,
+        plan.where,
+        plan.scratch,
+        plan.types,
+    )
+    placements, offsets, arena_bytes = memory.placements, memory.offsets, memory.arena_bytes
+    arena = torch.empty(arena_bytes, dtype=torch.uint8, device=device) if arena_bytes else None
+    getters: dict[str, Callable[[], torch.Tensor]] = {}
+    holders: dict[str, list[Any]] = {}
+
+    def getter(v: str) -> Callable[[], torch.Tensor]:
+        """How a step gets the tensor of value ``v`` (arena view, slice, or the framework
+        allocation of a spilled class made by the class's first writer)."""
+        if v in getters:
+            return getters[v]
+        p = placements[v]
+        if p.kind == "slice":
+            parent, dim, start, length = getter(p.parent), p.dim, p.start, p.length
+            static = getattr(parent, "static", None)
+            if static is not None:
+                g = _const(static.narrow(dim, start, length))
+            else:
+
+                def g() -> torch.Tensor:
+                    return parent().narrow(dim, start, length)
+
+        elif p.kind == "arena":
+            g = _const(_arena_view(arena, offsets[v], types[v]))
+        else:  # a spilled class: allocated by the framework when first written
+            holder = holders.setdefault(v, [None])
+            t = types[v]
+
+            def g() -> torch.Tensor:
+                if holder[0] is None:
+                    holder[0] = empty_of(t, device)
+                return holder[0]
+
+        getters[v] = g
+        return g
+
+    fns = [_step_fn(pl, i, u, where, scratch, getter, holders) for i, u in enumerate(units)]
+    for i in pl.copies:  # planned as copies: never an alias at run time
+        if fns[i] is units[i].fn:
+            fns[i] = _fresh_result(fns[i])
+    for i, (fn, u) in enumerate(zip(fns, units, strict=True)):
+        nd = pl.single[i]
+        temp = 0 if nd is None else get_op(nd.op).temp_bytes_per_elem
+        if fn is u.fn and temp:  # ATen's max-pool indices
+            memory.temps[i] = graph.values[u.outputs[0]].numel * temp
+        elif getattr(fn, "__name__", "").startswith("copy_into"):
+            memory.temps[i] = graph.values[u.outputs[0]].nbytes
+        work = getattr(u.fn, "workspace_bytes", None)
+        if work is not None:  # a Winograd convolution's transformed tiles
+            memory.temps[i] = memory.temps.get(i, 0) + work(graph.values[u.outputs[0]].shape[0])
+    if check is None:
+        check = check_memory_default()
+    if check and arena is not None:
+        fns = [
+            _checked(fn, i, u, memory, arena)
+            for i, (fn, u) in enumerate(zip(fns, units, strict=True))
+        ]
+    return PlannedUnits(memory, arena, fns)
+
+
+class MemoryCheckError(RuntimeError):
+    """A step's output overlaps arena bytes that the buffer plan did not give its value
+    (``Options(check_memory=True)``): a framework allocation aliasing the arena, or a value
+    written over another one that is still live."""
+
+
+def _checked(
+    fn: Callable[..., Any], i: int, u: Any, memory: MemoryPlan, arena: torch.Tensor
+) -> Callable[..., Any]:
+    """``fn`` followed by the check that each output lies outside the arena, or inside the
+    bytes of its own arena storage class (a view, an in-place write, a concat slice)."""
+    base, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    own: list[tuple[int, int] | None] = []
+    for v in u.outputs:
+        root = memory.placements[v].storage
+        off = memory.offsets.get(root)
+        own.append(None if off is None else (base + off, base + off + memory.sizes[root]))
+    multi = len(u.outputs) > 1
+
+    def live_arena(lo: int, hi: int) -> list[str]:
+        return [
+            c
+            for c, off in memory.offsets.items()
+            if memory.intervals[c][0] <= i <= memory.intervals[c][1]
+            and lo < base + off + memory.sizes[c]
+            and base + off < hi
+        ]
+
+    def checked(*ins: Any) -> Any:
+        r = fn(*ins)
+        for v, t, mine in zip(u.outputs, r if multi else (r,), own, strict=True):
+            if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device != arena.device:
+                continue
+            lo, hi = _byte_range(t)
+            if hi <= base or lo >= end or (mine is not None and mine[0] <= lo and hi <= mine[1]):
+                continue
+            kind = memory.placements[v].kind
+            raise MemoryCheckError(
+                f"step {i} ({u.name}): output {v!r} (placed {kind!r}) overlaps arena bytes "
+                f"[{lo - base}, {hi - base}) outside its own; live arena values there: "
+                f"{live_arena(lo, hi) or 'none'}"
+            )
+        return r
+
+    checked.__name__ = getattr(fn, "__name__", "step")  # the profiler names steps by it
+    checked.checks_memory = True  # type: ignore[attr-defined]
+    return checked
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` a strided tensor can touch."""
+    lo = t.data_ptr()
+    span = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
+    return lo, lo + (span + 1) * t.element_size()
+
+
+def _const(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def g() -> torch.Tensor:
+        return t
+
+    g.static = t  # type: ignore[attr-defined]
+    return g
+
+
+def empty_of(t: TensorType, device: torch.device) -> torch.Tensor:
+    fmt = torch.channels_last if t.rank == 4 and t.layout == "nhwc" else torch.contiguous_format
+    return torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device, memory_format=fmt)
+
+
+def _step_fn(
+    pl: StorageClasses,
+    i: int,
+    u: Any,
+    where: dict[str, str],
+    scratch: dict[int, list[str]],
+    getter: Callable[[str], Callable[[], torch.Tensor]],
+    holders: dict[str, list[Any]],
+) -> Callable[..., Any]:
+    """The function the plan calls for unit ``i`` under the memory plan."""
+    form = pl.forms[i]
+    if i in pl.inplace_fn:
+        return pl.inplace_fn[i]
+    if i in pl.inplace_of:
+        k, out_form = pl.inplace_of[i], form[0]
+
+        def in_place(*ins):
+            out_form(*ins, ins[k])
+            return ins[k]
+
+        return in_place
+    if len(u.outputs) != 1:
+        return u.fn
+    y = u.outputs[0]
+    root = pl.cls.find(y)
+    if where[root] not in ("arena", "spilled") or pl.kind.get(y) == "view":
+        return u.fn
+    if y != root and y not in pl.slice_of:
+        return u.fn
+    writers = [v for v in pl.cls.members(root) if v == root or v in pl.slice_of]
+    if where[root] == "spilled" and y == root and writers == [y]:
+        if form is None or not scratch.get(i):
+            return u.fn  # a spilled plain class: the unit allocates it itself
+        # a destination form with scratch (the chunked max-pool): fresh result, small scratch
+        out_form, t, device = form[0], pl.graph.values[y], pl.device
+        extra = [
+            (getter(nm) if where[nm] == "arena" else None, tt)
+            for nm, tt in zip(scratch[i], form[1], strict=True)
+        ]
+
+        def alloc_into(*ins):
+            o = empty_of(t, device)
+            out_form(*ins, o, *[e() if e is not None else empty_of(tt, device) for e, tt in extra])
+            return o
+
+        return alloc_into
+    get = getter(y)
+    static = getattr(get, "static", None)
+    # a spilled concat destination is released by its last writer (the outermost concat)
+    last_writer = max(pl.producer[v] for v in writers)
+    release = holders.get(root) if i == last_writer else None
+    mode = pl.cat_mode.get(i)
+    if mode == "view":
+        if static is not None:
+
+            def free_concat(*ins):
+                return static
+
+            return free_concat
+
+        def free_concat_dyn(*ins):
+            return get()
+
+        return free_concat_dyn
+    if mode == "dest":
+        slices = []
+        start, dim = 0, pl.single[i].attrs["dim"] % pl.graph.values[y].rank
+        for j, x in enumerate(u.inputs):
+            size = pl.graph.values[x].shape[dim]
+            # copied unless it already lives in exactly this slice (an input that is also
+            # a view of another slice of the destination, or repeated, is copied)
+            if pl.slice_of.get(x) != (y, dim, start, size):
+                slices.append((j, dim, start, size))
+            start += size
+
+        def concat_into(*ins):
+            o = get()
+            for j, d, st, ln in slices:
+                o.narrow(d, st, ln).copy_(ins[j])
+            if release is not None:
+                release[0] = None
+            return o
+
+        return concat_into
+    if form is not None:
+        out_form = form[0]
+        extra_get = [getter(nm) if where[nm] == "arena" else None for nm in scratch.get(i, ())]
+        extra_types = form[1] if scratch.get(i) else ()
+        if static is not None and all(e is not None for e in extra_get):
+            extra = (static,) + tuple(e() for e in extra_get)
+
+            def into(*ins):
+                out_form(*ins, *extra)
+                return static
+
+            return into
+        device = pl.device
+
+        def into_dyn(*ins):
+            o = get()
+            tmp = [
+                e() if e is not None else empty_of(t, device)
+                for e, t in zip(extra_get, extra_types, strict=True)
+            ]
+            out_form(*ins, o, *tmp)
+            return o
+
+        return into_dyn
+    fn = u.fn  # no destination form, placed in a concat slice: copy right after it
+
+    if static is not None:
+
+        def copy_into(*ins):
+            static.copy_(fn(*ins))
+            return static
+
+        return copy_into
+
+    def copy_into_dyn(*ins):
+        o = get()
+        o.copy_(fn(*ins))
+        return o
+
+    return copy_into_dyn
+
+
+def _fresh_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose result never shares its input's storage. The planner gives a class of
+    its own to a ``to_layout`` that converts and to a reshape of a permuted view, from the
+    value types; where the run-time strides allow ATen a view after all (a framework result
+    strided otherwise than its type, a permutation of size-1 dims, a permutation undone) the
+    result is copied, so that it never reads bytes the plan reuses."""
+
+    def fresh(x: torch.Tensor) -> torch.Tensor:
+        y = fn(x)
+        if y.numel() and y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            y = y.clone(memory_format=torch.preserve_format)
+        return y
+
+    fresh.__name__ = getattr(fn, "__name__", "fresh")
+    return fresh
+
+
+def _arena_view(arena: torch.Tensor, offset: int, t: TensorType) -> torch.Tensor:
+    """A typed view of ``t.nbytes`` arena bytes at ``offset``, strided in ``t``'s layout."""
+    flat = arena[offset : offset + t.nbytes].view(torch_dtype(t.dtype))
+    if t.rank == 4 and t.layout == "nhwc":
+        n, c, h, w = t.shape
+        return flat.as_strided(t.shape, (h * w * c, 1, w * c, c))
+    return flat.view(t.shape)
