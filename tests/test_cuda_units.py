@@ -237,3 +237,27 @@ def test_cuda_graph_capture_failure_runs_the_plan_step_by_step(monkeypatch):
         assert not wrapped.capture([x])
     torch.testing.assert_close(wrapped.run([x])[0], x * 2)
     assert wrapped.notes[0] == "planned" and "not permitted" in wrapped.notes[-1]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_pipeline_passes_for_a_gpu_then_the_cuda_backend(layout, tmp_path):
+    """What optimize(device="cuda") does, with the kernels emulated: the passes for the
+    GPU's figures (grouping included), the backend's lowering, its units; every io group
+    of the passes that renders is one generated unit, and the plan matches PyTorch."""
+    from middleware.backends.cuda.backend import CudaBackend
+    from middleware.passes import run_passes
+    from middleware.passes.group import io_groups
+
+    model = _randomise_bn(SmallNet())
+    x = torch.randn(2, 3, 12, 10)
+    options = Options(device="cuda", cache_dir=tmp_path, measure_hardware=False, layout=layout)
+    graph = run_passes(middleware.trace(model, x), options, FAKE_GPU)
+    graph = CudaBackend().lower(graph, options)
+    units = cuda_units(graph, options, FAKE_GPU, torch.device("cpu"), emulate=True)
+    generated = {tuple(u.nodes) for u in units if u.runs_as == "generated"}
+    assert len(generated) >= 2 and generated <= {tuple(g) for g in io_groups(graph)}
+    xin = x.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else x
+    with torch.no_grad():
+        got = build_plan(graph, torch.device("cpu"), units).run([xin])
+        torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
