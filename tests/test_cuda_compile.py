@@ -179,3 +179,16 @@ def test_epilogues_and_four_wide_kernels_compile_with_nvcc(arch, cache_dir):
     assert vector_width(schedule_of(g, ns)) == 4 and "float4" in wide.source
     cubin = build(cubin_request(f"wide_{arch}", wide.source, arch, compiler="nvcc"), cache_dir)
     assert wide.name.encode() in cubin.read_bytes()
+
+
+def test_short_windows_have_a_constant_trip_count():
+    """A 3x3 pooling window (clipped at the border) is a constant 3-tap loop nvcc unrolls,
+    skipping the taps outside the point's window; an adaptive window, whose taps move with
+    the point, keeps its per-point bounds."""
+    graph, names = CASES["bn_relu_maxpool"]("nchw")
+    src = render_cuda(schedule_of(graph, names), FAKE_GPU)
+    assert src.count("#pragma unroll") == 2
+    assert "for (int k_h = 0; k_h <= 2; ++k_h)" in src and "continue;" in src
+    graph, names = CASES["adaptive_avg_3x2"]("nchw")
+    src = render_cuda(schedule_of(graph, names), FAKE_GPU)
+    assert "#pragma unroll" not in src and "for (int k_h = (2 * h); k_h <= (2 * h + 2)" in src

@@ -19,19 +19,21 @@ them thread after thread. Block and grid sizes come from the ``Hardware`` descri
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from functools import cache
 from pathlib import Path
 
 import jinja2
+import numpy as np
 
 from ...errors import UnsupportedError
 from ...graph import TensorType
 from ...hardware import Hardware
-from ...index_expr import to_c
+from ...index_expr import Int, evaluate, to_c, variables
 from ...loops import DIMS, Acc, Load, ParamVec, leaves
 from ...ops import get_op
-from ...passes.schedule_ir import ORDER, Buffer, Schedule, Stage
+from ...passes.schedule_ir import ORDER, Buffer, Loop, Schedule, Stage
 from .funcs import HELPERS, cuda_expr, flt, index_c
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -176,10 +178,31 @@ class _Printer:
             raise UnsupportedError(f"stage {st.name}: reduction {red.op!r}")
         lines = [f"float acc = {flt(red.init)};"]
         depth = 0
+        ranges = {
+            d: (0, size - 1) for d, size in zip(DIMS, self.s.buffer(st.target).shape, strict=True)
+        }
         for lp in red.point_loops:
             pad = "  " * depth
             lo, hi = index_c(lp.lo), index_c(lp.hi)
-            lines.append(f"{pad}for (int {lp.var} = {lo}; {lp.var} <= {hi}; ++{lp.var}) {{")
+            taps = tap_range(lp, ranges)
+            if taps is None:
+                lines.append(f"{pad}for (int {lp.var} = {lo}; {lp.var} <= {hi}; ++{lp.var}) {{")
+            else:
+                # a constant trip count nvcc unrolls; taps outside this point's window
+                # (clipped at the input's border) are skipped
+                first, last = taps
+                ranges[lp.var] = taps
+                lines.append(f"{pad}#pragma unroll")
+                lines.append(
+                    f"{pad}for (int {lp.var} = {first}; {lp.var} <= {last}; ++{lp.var}) {{"
+                )
+                skip = []
+                if lp.lo != Int(first):
+                    skip.append(f"{lp.var} < {lo}")
+                if lp.hi != Int(last):
+                    skip.append(f"{lp.var} > {hi}")
+                if skip:
+                    lines.append(f"{pad}  if ({' || '.join(skip)}) continue;")
             depth += 1
         body = self.expr(red.body)
         step = f"mw_max(acc, {body})" if red.op == "max" else f"acc + {body}"
@@ -192,6 +215,39 @@ class _Printer:
             lines.append("const float acc_v = acc;")
         lines.append(f"return {self.expr(st.expr)};")
         return lines
+
+
+# A window loop whose taps span at most this many values over all output points, no more
+# than the widest point's window, is rendered with a constant trip count (unrolled) and a
+# skip of the taps outside the point's window (clipped at the input's border), instead of
+# bounds that vary per point (a loop nvcc cannot unroll). Adaptive windows, whose taps are
+# input indices moving with the point, keep their bounds.
+MAX_UNROLLED_TAPS = 16
+# ... when its bounds' variables span at most this many combinations (to find the span).
+MAX_BOUND_POINTS = 1 << 16
+
+
+def tap_range(lp: Loop, ranges: dict[str, tuple[int, int]]) -> tuple[int, int] | None:
+    """(first, last) value loop ``lp`` takes at any point, its bounds evaluated over the
+    ``ranges`` of the variables they read, when that span is short (``MAX_UNROLLED_TAPS``)
+    and no wider than the widest point's window; else None."""
+    names = sorted(variables(lp.lo) | variables(lp.hi))
+    if any(v not in ranges for v in names):
+        return None
+    if math.prod(ranges[v][1] - ranges[v][0] + 1 for v in names) > MAX_BOUND_POINTS:
+        return None
+    axes = [np.arange(ranges[v][0], ranges[v][1] + 1) for v in names]
+    env = dict(zip(names, np.meshgrid(*axes, indexing="ij"), strict=True))
+    lo = np.broadcast_to(np.asarray(evaluate(lp.lo, env)), np.shape(env[names[0]]) if names else ())
+    hi = np.broadcast_to(np.asarray(evaluate(lp.hi, env)), lo.shape)
+    runs = hi >= lo
+    if not np.any(runs):
+        return None
+    first, last = int(lo[runs].min()), int(hi[runs].max())
+    widest = int((hi - lo)[runs].max()) + 1
+    if last - first + 1 > min(widest, MAX_UNROLLED_TAPS):
+        return None
+    return first, last
 
 
 def _uses_acc(st: Stage) -> bool:
