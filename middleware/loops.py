@@ -316,7 +316,18 @@ def batch_norm_loops(graph: Graph, node: Node) -> OpLoops:
     )
 
 
-def binary_loops(graph: Graph, node: Node) -> OpLoops:
+def binary(fn: str) -> Rule:
+    """The rule of a binary elementwise op computing function ``fn`` of two operands (two
+    tensors with broadcasting, or a tensor and the scalar attr ``scalar``, ``reverse``: the
+    scalar on the left; ``alpha`` scales the right operand)."""
+
+    def binary_loops(graph: Graph, node: Node) -> OpLoops:
+        return _binary(graph, node, fn)
+
+    return binary_loops
+
+
+def _binary(graph: Graph, node: Node, fn: str) -> OpLoops:
     out_t = graph.values[node.outputs[0]]
     operands: list[Expr] = [broadcast_load(v, graph.values[v], out_t) for v in node.inputs]
     scalar = node.attrs.get("scalar")
@@ -332,7 +343,7 @@ def binary_loops(graph: Graph, node: Node) -> OpLoops:
     alpha = node.attrs.get("alpha", 1)
     if alpha != 1:
         b = call("mul", b, Const(float(alpha)))
-    return OpLoops("pointwise", call(node.op, a, b))
+    return OpLoops("pointwise", call(fn, a, b))
 
 
 def pair(v: Any) -> tuple[int, int]:
@@ -415,14 +426,17 @@ def _adaptive_windows(in4: Sequence[int], out4: Sequence[int]) -> tuple[Window, 
     return tuple(wins)
 
 
-def adaptive_pool_loops(graph: Graph, node: Node) -> OpLoops:
+def adaptive_max_pool_loops(graph: Graph, node: Node) -> OpLoops:
     x = node.inputs[0]
-    in4, out4 = logical4(graph.values[x]), _out4(graph, node)
-    wins = _adaptive_windows(in4, out4)
-    if node.op == "adaptive_max_pool2d":
-        return OpLoops(
-            "reduce", Acc(), body=_window_load(x, wins), reduce="max", init=-math.inf, windows=wins
-        )
+    wins = _adaptive_windows(logical4(graph.values[x]), _out4(graph, node))
+    return OpLoops(
+        "reduce", Acc(), body=_window_load(x, wins), reduce="max", init=-math.inf, windows=wins
+    )
+
+
+def adaptive_avg_pool_loops(graph: Graph, node: Node) -> OpLoops:
+    x = node.inputs[0]
+    wins = _adaptive_windows(logical4(graph.values[x]), _out4(graph, node))
     return OpLoops(
         "reduce", Acc(), body=_window_load(x, wins), reduce="sum", windows=wins, divisor="valid"
     )

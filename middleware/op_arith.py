@@ -118,7 +118,7 @@ for _name, _fn, _alpha, _inplace in (
             Bound.IO,
             _binary(_fn, _alpha),
             elementwise=True,
-            loops=loops.binary_loops,
+            loops=loops.binary(_name),
             out=OutVariant(_binary_out(_fn, _alpha), _inplace),
         )
     )

@@ -229,7 +229,7 @@ register(
         Bound.IO,
         _adaptive_avg_pool2d,
         flops_fn=pool_flops,
-        loops=loops.adaptive_pool_loops,
+        loops=loops.adaptive_avg_pool_loops,
         per_sample=True,
         layout_preserving=True,
         # ATen's kernel restrides a strided (concat slice) output
@@ -242,7 +242,7 @@ register(
         Bound.IO,
         _adaptive_max_pool2d,
         flops_fn=pool_flops,
-        loops=loops.adaptive_pool_loops,
+        loops=loops.adaptive_max_pool_loops,
         per_sample=True,
         layout_preserving=True,
         temp_bytes_per_elem=INDEX_BYTES,
