@@ -66,6 +66,7 @@ register(
         flops_per_elem=0.0,
         loops=loops.reshape_loops,
         per_sample=True,
+        copies_permuted=True,
         strided_view=True,
     )
 )
@@ -89,6 +90,7 @@ register(
         flops_per_elem=0.0,
         loops=loops.reshape_loops,
         per_sample=True,
+        copies_permuted=True,
         strided_view=True,
     )
 )
@@ -132,6 +134,7 @@ register(
         flops_per_elem=0.0,
         loops=loops.view_loops,
         per_sample=True,
+        copies_permuted=True,
     )
 )
 
@@ -191,7 +194,7 @@ def _to_layout(node: Node) -> Kernel:
     channels_last; ranks other than 4 are made contiguous). Returns the input itself when it
     is already stored so, and an ``as_strided`` alias of it where both orders are one
     (C == 1 or H*W == 1): the buffer planner keeps such a result in its input's storage
-    class (``runtime.memory._shares_storage`` mirrors this rule). Inserted by the layout
+    class (``runtime.storage_classes._shares_storage`` mirrors this rule). Inserted by the layout
     pass at the graph's inputs and outputs and around ops that need one memory order."""
     nhwc = node.attrs["layout"] == "nhwc"
 
@@ -220,6 +223,7 @@ register(
         elementwise=True,
         flops_per_elem=0.0,
         loops=loops.view_loops,
+        copies_permuted=True,
         layout_preserving=False,  # sets its own order
     )
 )

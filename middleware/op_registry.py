@@ -122,6 +122,10 @@ class OpDef:
     strided_view: bool = False
     # Input positions holding weights, which keep their layout (the vendor path prepacks).
     weight_inputs: frozenset[int] = frozenset()
+    # A view-like op whose reference copies an input that is a permuted view (ATen cannot
+    # view it so: reshape/flatten of a transposed value, contiguous, to_layout); the buffer
+    # planner then gives the result a storage class of its own.
+    copies_permuted: bool = False
 
     def __post_init__(self) -> None:
         if self.per_sample is None:

@@ -106,7 +106,7 @@ class StorageClasses:
             nd = self.single[i]
             if nd is not None and nd.op != "fallback":
                 of_permuted = bool(set(nd.inputs) & permuted)
-                if of_permuted and nd.op in ("reshape", "flatten", "contiguous", "to_layout"):
+                if of_permuted and get_op(nd.op).copies_permuted:
                     self.copies.add(i)  # ATen copies it: a class of its own
                     continue
                 if nd.op == "permute" and not _dense_permute(self.graph, nd):
