@@ -38,6 +38,7 @@ from ..graph import Graph, Node, TensorType
 from ..hardware import Hardware
 from ..loops import (
     DIMS,
+    EXPENSIVE_FUNCTIONS,
     Acc,
     Call,
     Expr,
@@ -63,7 +64,6 @@ PARALLEL_MIN_ELEMENTS = 1 << 15
 # version ran at 28-31 GB/s, recomputing (2.25 reads per element) at 43 GB/s, against 45
 # GB/s for a kernel that only streams the same bytes (bench/chain.py measures it).
 INLINE_MAX_READS_PER_ELEMENT = 4.0
-EXPENSIVE_FUNCTIONS = frozenset({"exp", "tanh", "erf", "sigmoid", "div"})
 
 
 # --------------------------------------------------------------------- helpers
