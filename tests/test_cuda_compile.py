@@ -148,16 +148,11 @@ def test_epilogues_and_four_wide_kernels_compile_with_nvcc(arch, cache_dir):
     from middleware.backends.cuda.render import vector_width
 
     parts, names = [], []
-    acts = {
-        None: (),
-        "relu": (),
-        "hardtanh": (("min_val", 0.0), ("max_val", 6.0)),
-        "hardswish": (),
-        "silu": (),
-        "sigmoid": (),
-        "gelu": (("approximate", "none"),),
-        "leaky_relu": (("negative_slope", 0.01),),
-    }
+    from cuda_cases import REGISTRY_ACTIVATIONS
+
+    from middleware.ops import CATALOGUE
+
+    acts = {None: ()} | {a: tuple(CATALOGUE[a].defaults.items()) for a in REGISTRY_ACTIVATIONS}
     for i, (act, attrs) in enumerate(acts.items()):
         for layout, shape in (("nhwc", (2, 8, 5, 5)), ("nchw", (2, 3, 5, 5))):
             ep = Epilogue(shape, layout, True, i % 2 == 0, act, attrs)
