@@ -62,7 +62,7 @@ register(
         pointwise=_relu_expr,
         inplace=_relu_,
         out=OutVariant(_relu_out, (0,)),
-        post_op=VendorPostOp("relu", after_binary=True),
+        post_op=VendorPostOp("relu", after_binary=True, cublaslt=True),
     )
 )
 

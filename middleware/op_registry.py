@@ -53,13 +53,16 @@ class VendorPostOp:
     name, the activation attrs that become its scalars (in order), the attr that becomes its
     "algorithm" string (gelu's ``approximate``) with the values it takes, and whether oneDNN
     takes it after a binary (residual add) post-op (measured on torch 2.14: relu only;
-    every other one raises "Unary Fusion behavior undefined")."""
+    every other one raises "Unary Fusion behavior undefined"). ``cublaslt``: cuBLASLt's
+    linear epilogue fuses it too (``torch._addmm_activation``: relu; its gelu is the tanh
+    approximation only, so gelu is not marked)."""
 
     onednn: str
     scalar_keys: tuple[str, ...] = ()
     algorithm_key: str | None = None
     algorithms: tuple[str, ...] = ()
     after_binary: bool = False
+    cublaslt: bool = False
 
     def takes(self, attrs: Mapping[str, Any]) -> bool:
         """The post-op can spell the activation with these attrs."""

@@ -1,7 +1,8 @@
 """fuse_vendor_epilogue: a convolution's (or linear layer's) bias add, residual add and
 activation become post-ops of the one vendor call, where the vendor library offers them.
 
-What the vendor offers is data (``POST_OPS``), per device kind and layer op:
+What the vendor offers is data (``POST_OPS``), per device kind and layer op, derived from
+the activations' registry entries (``OpDef.post_op``, ``OpDef.pointwise``):
 
 - cpu (oneDNN through ``torch.ops.mkldnn._convolution_pointwise`` / ``_linear_pointwise``;
   checked on torch 2.14 by calling each): the unary eltwise post-ops relu, sigmoid, tanh,
@@ -11,8 +12,8 @@ What the vendor offers is data (``POST_OPS``), per device kind and layer op:
   other unary op after the add).
 - cuda: a convolution runs through cuDNN without its bias, then ONE generated in-place
   epilogue kernel adds the bias and the residual and applies the activation
-  (``backends/cuda/epilogue.py``), so every activation the CUDA scalar table spells can
-  follow, with or without a residual add. Linear: relu (cuBLASLt's epilogue through
+  (``backends/cuda/epilogue.py``), so every activation with scalar semantics
+  (``OpDef.pointwise``) can follow, with or without a residual add. Linear: relu (cuBLASLt's epilogue through
   ``torch._addmm_activation``; its ``use_gelu=True`` is gelu with the tanh approximation,
   not listed since the table keys activations by name only).
 """
@@ -44,13 +45,19 @@ _ONEDNN_ELTWISE = frozenset(name for name, op in CATALOGUE.items() if op.post_op
 _ONEDNN_AFTER_ADD = frozenset(
     name for name, op in CATALOGUE.items() if op.post_op is not None and op.post_op.after_binary
 )
+# the activations a generated epilogue computes (their scalar semantics, OpDef.pointwise)
+_GENERATED = frozenset(name for name, op in CATALOGUE.items() if op.pointwise is not None)
+# the activations cuBLASLt's linear epilogue fuses
+_CUBLASLT_EPILOGUE = frozenset(
+    name for name, op in CATALOGUE.items() if op.post_op is not None and op.post_op.cublaslt
+)
 
 # (device kind, layer op) -> what its vendor call fuses.
 POST_OPS: dict[tuple[str, str], PostOps] = {
     ("cpu", "conv2d"): PostOps(_ONEDNN_ELTWISE, frozenset({None}) | _ONEDNN_AFTER_ADD),
     ("cpu", "linear"): PostOps(_ONEDNN_ELTWISE),
-    ("cuda", "conv2d"): PostOps(_ONEDNN_ELTWISE, frozenset({None}) | _ONEDNN_ELTWISE),
-    ("cuda", "linear"): PostOps(frozenset({"relu"})),
+    ("cuda", "conv2d"): PostOps(_GENERATED, frozenset({None}) | _GENERATED),
+    ("cuda", "linear"): PostOps(_CUBLASLT_EPILOGUE),
 }
 
 
@@ -146,10 +153,12 @@ def _finish(fused: Node, absorbed: list[Node]) -> tuple[Node, Node, list[Node]]:
 
 def _activation_name(node: Node) -> str | None:
     """The op name when ``node`` is a one-input activation the tables may name."""
-    if len(node.inputs) != 1 or node.op not in _ONEDNN_ELTWISE:
+    if len(node.inputs) != 1:
         return None
-    spec = get_op(node.op).post_op
-    return node.op if spec is not None and spec.takes(node.attrs) else None
+    op = get_op(node.op)
+    if op.pointwise is None and op.post_op is None:
+        return None
+    return node.op if op.post_op is None or op.post_op.takes(node.attrs) else None
 
 
 def _plain_add(node: Node) -> bool:
