@@ -34,36 +34,33 @@ import islpy as isl
 
 from .. import index_expr as ix
 from .. import isl_helpers as ih
-from ..graph import Graph, Node, TensorType
+from ..graph import Graph, TensorType
 from ..hardware import Hardware
 from ..loops import (
     DIMS,
-    EXPENSIVE_FUNCTIONS,
     Acc,
     Call,
     Expr,
     Load,
     NotFusable,
-    OpLoops,
     ParamVec,
-    Window,
     leaves,
     logical4,
     substitute,
 )
-from ..ops import loops_of
 from .schedule_ir import ORDER, Buffer, Loop, Reduction, Schedule, Stage, Tiling
+from .stages import (
+    StageDraft,
+    group_io,
+    plan_stages,
+    stage_loads,
+    valid_constraints,
+    window_constraints,
+)
 
 _ISL_LOCK = threading.RLock()
 # Outputs smaller than this many elements run their tiles on one thread.
 PARALLEL_MIN_ELEMENTS = 1 << 15
-# A pointwise producer read through a window is recomputed at every read (inlined into the
-# window's body) instead of materialised in scratch when each of its elements is read at
-# most this many times and its expression has no transcendental function. Measured on
-# batch-norm -> ReLU -> 3x3/2 max-pool (16x64x112x112, nhwc, 2 threads): the scratch
-# version ran at 28-31 GB/s, recomputing (2.25 reads per element) at 43 GB/s, against 45
-# GB/s for a kernel that only streams the same bytes (bench/chain.py measures it).
-INLINE_MAX_READS_PER_ELEMENT = 4.0
 
 
 # --------------------------------------------------------------------- helpers
@@ -92,229 +89,17 @@ def _unique_idents(values: Sequence[str]) -> dict[str, str]:
     return ids
 
 
-def _subst_vars(text: str, mapping: dict[str, str]) -> str:
-    if not mapping:
-        return text
-    pat = re.compile(r"\b(" + "|".join(re.escape(k) for k in mapping) + r")\b")
-    return pat.sub(lambda m: f"({mapping[m.group(1)]})", text)
-
-
-def compose(expr: Expr, index: Sequence[str]) -> Expr:
-    """``expr`` (in its own coordinates n, c, h, w) evaluated at ``index``."""
-    mapping = dict(zip(DIMS, index, strict=True))
-
-    def leaf(x: Expr) -> Expr | None:
-        if isinstance(x, Load):
-            return Load(x.value, tuple(_subst_vars(i, mapping) for i in x.index))  # type: ignore[arg-type]
-        if isinstance(x, ParamVec):
-            return ParamVec(x.name, x.data, _subst_vars(x.index, mapping))
-        return None
-
-    return substitute(expr, leaf)
-
-
-@dataclasses.dataclass
-class _StageDraft:
-    value: str
-    nodes: list[str]
-    expr: Expr
-    red: OpLoops | None = None
-    channels: tuple[int, int] | None = None  # a cat slice: (first channel, count)
-
-
-def _group_io(graph: Graph, names: Sequence[str]) -> tuple[list[str], list[str]]:
-    inside = set(names)
-    produced = {v for n in names for v in graph.node(n).outputs}
-    ins: list[str] = []
-    for n in names:
-        for v in graph.node(n).inputs:
-            if v not in produced and v not in ins:
-                ins.append(v)
-    outs_graph = set(graph.output_values())
-    outs = []
-    for n in names:
-        for v in graph.node(n).outputs:
-            if v in outs_graph or any(c.name not in inside for c in graph.consumers(v)):
-                outs.append(v)
-    return ins, outs
-
-
-def _uses_inside(graph: Graph, names: set[str], value: str) -> int:
-    return sum(c.inputs.count(value) for c in graph.consumers(value) if c.name in names)
-
-
-def _window_dims_identity(index: Sequence[str], windows: Sequence[Window]) -> bool:
-    """A load index that only shifts channels (n, h, w and every window dim unchanged)."""
-    if _strip(index[0]) != "n":
-        return False
-    return all(_strip(index[d]) == DIMS[d] for d in (2, 3))
-
-
-def _strip(text: str) -> str:
-    t = text.strip()
-    while t.startswith("(") and t.endswith(")"):
-        t = t[1:-1].strip()
-    return t
-
-
-def _distributable_cat(graph, inside, out, producer, sem, lp) -> tuple[Load, OpLoops] | None:  # noqa: ANN001
-    """The load of a concat (read once, at the stage's own point) in pointwise ``lp``."""
-    if lp.kind != "pointwise":
-        return None
-    for x in leaves(lp.expr):
-        if (
-            isinstance(x, Load)
-            and x.value in producer
-            and x.value != out
-            and tuple(_strip(i) for i in x.index) == DIMS
-            and _uses_inside(graph, inside, x.value) == 1
-            and sem(x.value).kind == "cat"
-        ):
-            return x, sem(x.value)
-    return None
-
-
-def _reads_per_element(windows: Sequence[Window]) -> float:
-    r = 1.0
-    for win in windows:
-        r *= win.reads_per_input
-    return r
-
-
-def _cheap(expr: Expr) -> bool:
-    """No function that costs more than a few cycles per element (worth a scratch buffer)."""
-    if isinstance(expr, Call):
-        return expr.fn not in EXPENSIVE_FUNCTIONS and all(_cheap(a) for a in expr.args)
-    return True
-
-
-def _plan_stages(graph: Graph, names: Sequence[str], out: str) -> list[_StageDraft]:
-    """Decide which values are materialised and build each stage's expression."""
-    inside = set(names)
-    producer: dict[str, Node] = {}
-    for n in names:
-        node = graph.node(n)
-        producer[node.outputs[0]] = node
-    sem_cache: dict[str, OpLoops] = {}
-
-    def sem(v: str) -> OpLoops:
-        if v not in sem_cache:
-            sem_cache[v] = loops_of(graph, producer[v])
-        return sem_cache[v]
-
-    drafts: list[_StageDraft] = []
-    done: set[str] = set()
-    todo = [out]
-
-    def recompute(slp: OpLoops, draft: _StageDraft) -> bool:
-        """Inline a pointwise producer into a window's body (recomputed per read)?"""
-        assert draft.red is not None
-        return (
-            _cheap(slp.expr)
-            and _reads_per_element(draft.red.windows) <= INLINE_MAX_READS_PER_ELEMENT
-        )
-
-    def expand(expr: Expr, draft: _StageDraft, window_read: bool) -> Expr:
-        def leaf(x: Expr) -> Expr | None:
-            if not isinstance(x, Load) or x.value not in producer:
-                return None
-            src = producer[x.value]
-            slp = sem(x.value)
-            single = _uses_inside(graph, inside, x.value) == 1 and x.value != out
-            if single and slp.kind == "pointwise" and (not window_read or recompute(slp, draft)):
-                draft.nodes.insert(0, src.name)
-                return expand(compose(slp.expr, x.index), draft, window_read)
-            if (
-                single
-                and slp.kind == "reduce"
-                and not window_read
-                and draft.red is None
-                and _window_dims_identity(x.index, slp.windows)
-            ):
-                draft.nodes.insert(0, src.name)
-                draft.red = dataclasses.replace(
-                    slp,
-                    body=compose(slp.body, x.index),  # type: ignore[arg-type]
-                )
-                return expand(compose(slp.expr, x.index), draft, False)
-            todo.append(x.value)
-            return None
-
-        return substitute(expr, leaf)
-
-    def finish(draft: _StageDraft) -> None:
-        draft.expr = expand(draft.expr, draft, False)
-        if draft.red is not None:
-            body = expand(draft.red.body, draft, True)  # type: ignore[arg-type]
-            draft.red = dataclasses.replace(draft.red, body=body)
-        drafts.append(draft)
-
-    while todo:
-        v = todo.pop()
-        if v in done:
-            continue
-        done.add(v)
-        node = producer[v]
-        lp = sem(v)
-        if lp.kind == "cat":
-            for src, first, count in lp.slices:
-                index = ("n", f"c - {first}" if first else "c", "h", "w")
-                finish(_StageDraft(v, [node.name], Load(src, index), None, (first, count)))
-            continue
-        cat = _distributable_cat(graph, inside, out, producer, sem, lp)
-        if cat is not None:
-            # a pointwise op of a concat is computed per slice, straight from each input
-            load, cat_lp = cat
-            for src, first, count in cat_lp.slices:
-                index = ("n", f"c - {first}" if first else "c", "h", "w")
-                expr = substitute(
-                    lp.expr,
-                    lambda x, load=load, src=src, index=index: (
-                        Load(src, index) if x == load else None
-                    ),
-                )
-                draft = _StageDraft(v, [producer[load.value].name, node.name], expr, None)
-                draft.channels = (first, count)
-                finish(draft)
-            continue
-        finish(_StageDraft(v, [node.name], lp.expr, lp if lp.kind == "reduce" else None))
-    order = {graph.node(n).outputs[0]: i for i, n in enumerate(names)}
-    return sorted(drafts, key=lambda d: (order[d.value], d.channels or (0, 0)))
-
-
-def _loads(d: _StageDraft) -> list[tuple[Load, bool]]:
-    """(load, read through the reduction window?) of a stage."""
-    out = [(x, False) for x in leaves(d.expr) if isinstance(x, Load)]
-    if d.red is not None and d.red.body is not None:
-        out += [(x, True) for x in leaves(d.red.body) if isinstance(x, Load)]
-    return out
-
-
-def _window_constraints(windows: Sequence[Window]) -> list[str]:
-    cons = []
-    for win in windows:
-        o = DIMS[win.dim]
-        c = re.sub(r"\bk\b", win.var, win.constraint)
-        c = re.sub(r"\bo\b", o, c)
-        cons.append(c)
-    return cons
-
-
-def _valid(index: Sequence[str], shape: Sequence[int]) -> list[str]:
-    return [f"0 <= {ix} < {s}" for ix, s in zip(index, shape, strict=True)]
-
-
 class _Builder:
     def __init__(self, graph: Graph, names: Sequence[str], hw: Hardware) -> None:
         self.graph = graph
         self.names = list(names)
         self.hw = hw
-        ins, outs = _group_io(graph, names)
+        ins, outs = group_io(graph, names)
         if len(outs) != 1:
             raise NotFusable(f"group has {len(outs)} values read outside it ({outs}); one needed")
         self.ins, self.out = ins, outs[0]
-        self.drafts = _plan_stages(graph, names, self.out)
-        loaded = {x.value for d in self.drafts for x, _ in _loads(d)}
+        self.drafts = plan_stages(graph, names, self.out)
+        loaded = {x.value for d in self.drafts for x, _ in stage_loads(d)}
         self.ins = [v for v in ins if v in loaded]
         ins = self.ins
         out_t = graph.values[self.out]
@@ -334,11 +119,11 @@ class _Builder:
         for d in reversed(self.drafts):
             reg = self.draft_region(regions[d.value], d).set_tuple_name("S")
             windows = d.red.windows if d.red is not None else ()
-            for load, through in _loads(d):
+            for load, through in stage_loads(d):
                 shape = logical4(self.graph.values[load.value])
-                cons = _window_constraints(windows) if through else []
+                cons = window_constraints(windows) if through else []
                 exists = [w.var for w in windows] if through else []
-                cons += _valid(load.index, shape)
+                cons += valid_constraints(load.index, shape)
                 acc = ih.access_map("S", DIMS, "T", load.index, exists, cons)
                 img = ih.name_dims(ih.image(reg, acc), DIMS)
                 prev = regions.get(load.value)
@@ -346,7 +131,7 @@ class _Builder:
         return regions
 
     @staticmethod
-    def draft_region(region: isl.Set, d: _StageDraft) -> isl.Set:
+    def draft_region(region: isl.Set, d: StageDraft) -> isl.Set:
         """The part of its value's region a stage computes (a cat slice: its channels)."""
         if d.channels is None:
             return region
@@ -380,7 +165,7 @@ class _Builder:
             total += ext * 4
         return total
 
-    def _values(self) -> list[_StageDraft]:
+    def _values(self) -> list[StageDraft]:
         """One draft per materialised value (the first slice of a cat)."""
         seen, out = set(), []
         for d in self.drafts:
@@ -426,15 +211,15 @@ class _Builder:
         d = order[-1]
         return loops, Loop(DIMS[d], b[-1][0], b[-1][1], simd=True)
 
-    def reduction(self, d: _StageDraft, region: isl.Set, ctx: str) -> Reduction:
+    def reduction(self, d: StageDraft, region: isl.Set, ctx: str) -> Reduction:
         red = d.red
         assert red is not None and red.body is not None
         windows = red.windows
         order = ORDER[self.layout]
-        in_value = next(x.value for x, through in _loads(d) if through)
+        in_value = next(x.value for x, through in stage_loads(d) if through)
         in_shape = logical4(self.graph.values[in_value])
         out4 = logical4(self.graph.values[d.value])  # the stage's own value
-        cons = _window_constraints(windows)
+        cons = window_constraints(windows)
         for win in windows:
             cons.append(f"0 <= {win.input_index()} < {in_shape[win.dim]}")
         kvars = [w.var for w in windows]
