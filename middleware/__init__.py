@@ -20,7 +20,7 @@ from .errors import (
 from .graph import Graph, Node, TensorType
 from .options import Options
 from .profiler import ProfileResult, profile
-from .version import __version__
+from .version import __version__ as __version__
 
 __all__ = [
     "CompileError",

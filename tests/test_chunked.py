@@ -13,13 +13,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
-from middleware.passes.batch_slice import choose_cut, split_graph
-from middleware.runtime.chunked import ChunkedPlan
-from middleware.runtime.plan import build_plan
 from test_memory_planner import _flat, _input, random_graphs
 
 import middleware
+from middleware.passes.batch_slice import choose_cut, split_graph
 from middleware.profiler import PLAN_TOLERANCE
+from middleware.runtime.chunked import ChunkedPlan
+from middleware.runtime.plan import build_plan
 
 OPTS = dict(measure_hardware=False)
 
@@ -175,9 +175,8 @@ def test_cut_tensors_are_released_after_their_last_read() -> None:
 def test_per_sample_checks_attributes_not_only_shapes(op, attrs, out_shape, ok) -> None:  # noqa: ANN001
     """Each op's attributes decide whether it keeps the samples apart, also where the
     output's shape alone would not tell (channels == batch)."""
-    from middleware.passes.batch_slice import _per_sample
-
     from middleware.graph import Graph, Node, TensorType
+    from middleware.passes.batch_slice import _per_sample
 
     g = Graph()
     x = g.add_input("x", TensorType((4, 4, 3, 3)))

@@ -9,11 +9,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from middleware.passes import batch_slice as chunked
 
 import middleware
 from middleware.graph import Graph, Node, TensorType
 from middleware.ops import infer_types
+from middleware.passes import batch_slice as chunked
 
 BATCH = 4
 
