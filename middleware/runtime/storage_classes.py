@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..enums import RunsAs
 from ..graph import Graph, Node, TensorType
 from ..ops import OutForm, get_op
 
@@ -115,7 +116,7 @@ class StorageClasses:
                     permuted.update(u.outputs)
             if nd is not None and nd.op == "to_layout" and not _shares_storage(self.graph, nd):
                 self.copies.add(i)  # a real conversion: a class of its own
-            if u.runs_as == "fallback" or (nd is not None and _shares_storage(self.graph, nd)):
+            if u.runs_as == RunsAs.FALLBACK or (nd is not None and _shares_storage(self.graph, nd)):
                 for v in u.outputs:
                     self.kind[v] = "view"
                     for x in u.inputs:
@@ -181,7 +182,7 @@ class StorageClasses:
             return False
         j = self.producer[x]
         u = self.units[j]
-        if len(u.outputs) != 1 or u.runs_as == "fallback":
+        if len(u.outputs) != 1 or u.runs_as == RunsAs.FALLBACK:
             return False
         if self.forms[j] is not None and self.single[j] is None:  # a generated kernel
             return _slice_contiguous(self.graph.values[dest], dim)
@@ -231,7 +232,7 @@ class StorageClasses:
         if self.graph.values[x].nbytes > self.graph.values[root].nbytes:
             return False
         return not any(
-            self.units[self.producer[m]].runs_as == "fallback"
+            self.units[self.producer[m]].runs_as == RunsAs.FALLBACK
             for m in self.cls.members(root)
             if self.producer.get(m, -1) >= 0
         )
@@ -292,7 +293,7 @@ def _dense_permute(graph: Graph, nd: Node) -> bool:
 
 def _single_node(graph: Graph, u: Any) -> Node | None:
     """The node of a one-node vendor unit that reads and writes exactly its node's values."""
-    if len(u.nodes) != 1 or u.runs_as != "vendor":
+    if len(u.nodes) != 1 or u.runs_as != RunsAs.VENDOR:
         return None
     nd = graph.node(u.nodes[0])
     if tuple(nd.inputs) != tuple(u.inputs) or tuple(nd.outputs) != tuple(u.outputs):
@@ -307,7 +308,7 @@ def _out_form(graph: Graph, u: Any, nd: Node | None) -> OutForm | None:
     spec = None if nd is None else get_op(nd.op).out
     if spec is not None and len(nd.outputs) == 1:
         return spec.make(nd, graph)
-    if getattr(u, "out_fn", None) is not None and u.runs_as == "generated":
+    if getattr(u, "out_fn", None) is not None and u.runs_as == RunsAs.GENERATED:
         return u.out_fn, ()
     return None
 
