@@ -22,15 +22,9 @@ from typing import Any
 import torch
 
 from ..graph import Graph
-from ..ops import CATALOGUE
 from ..passes.batch_slice import Cut
 from .memory import _empty
 from .plan import Plan
-
-# Ops that treat each sample of the batch (dimension 0) on its own, given the attribute
-# checks of ``_per_sample``: the registry's ``per_sample`` entries; a prefix holds nothing
-# else (a fallback may mix the batch).
-PER_SAMPLE_OPS = frozenset(name for name, op in CATALOGUE.items() if op.per_sample)
 
 
 # ------------------------------------------------------------------------- the plan
