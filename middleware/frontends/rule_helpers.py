@@ -96,7 +96,11 @@ def rank_of(low: LoweringContext, v: V) -> int:
     return low.g.values[v.name].rank
 
 
-def conv_attrs(stride, padding, dilation, groups, ksize) -> dict[str, Any]:
+def conv_attrs(
+    stride: Any, padding: Any, dilation: Any, groups: int, ksize: Sequence[int]
+) -> dict[str, Any]:
+    """conv2d's attrs from the framework's arguments (``padding`` "valid"/"same" resolved
+    against the kernel size ``ksize``)."""
     dilation = pair(dilation)
     if isinstance(padding, str):
         if padding == "valid":
@@ -119,16 +123,21 @@ def conv_attrs(stride, padding, dilation, groups, ksize) -> dict[str, Any]:
     }
 
 
-def max_pool_attrs(kernel_size, stride, padding, dilation, ceil_mode) -> dict[str, Any]:
+def _pool_stride(k: tuple[int, int], stride: Any) -> tuple[int, int]:
+    """A pooling stride; none given (None or empty) means the kernel size."""
+    if stride is None or (isinstance(stride, (list, tuple)) and len(stride) == 0):
+        return k
+    return pair(stride)
+
+
+def max_pool_attrs(
+    kernel_size: Any, stride: Any, padding: Any, dilation: Any, ceil_mode: bool
+) -> dict[str, Any]:
+    """max_pool2d's attrs from the framework's arguments."""
     k = pair(kernel_size)
-    s = (
-        k
-        if stride is None or (isinstance(stride, (list, tuple)) and len(stride) == 0)
-        else pair(stride)
-    )
     return {
         "kernel_size": k,
-        "stride": s,
+        "stride": _pool_stride(k, stride),
         "padding": pair(padding),
         "dilation": pair(dilation),
         "ceil_mode": bool(ceil_mode),
@@ -136,17 +145,18 @@ def max_pool_attrs(kernel_size, stride, padding, dilation, ceil_mode) -> dict[st
 
 
 def avg_pool_attrs(
-    kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+    kernel_size: Any,
+    stride: Any,
+    padding: Any,
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
 ) -> dict[str, Any]:
+    """avg_pool2d's attrs from the framework's arguments."""
     k = pair(kernel_size)
-    s = (
-        k
-        if stride is None or (isinstance(stride, (list, tuple)) and len(stride) == 0)
-        else pair(stride)
-    )
     return {
         "kernel_size": k,
-        "stride": s,
+        "stride": _pool_stride(k, stride),
         "padding": pair(padding),
         "ceil_mode": bool(ceil_mode),
         "count_include_pad": bool(count_include_pad),
@@ -155,6 +165,7 @@ def avg_pool_attrs(
 
 
 def adaptive_size(low: LoweringContext, x: V, size: Any) -> tuple[int, int]:
+    """An adaptive pooling's output size (None in a dim: the input's size there)."""
     h, w = low.g.values[x.name].shape[-2:]
     if isinstance(size, int):
         return (size, size)
