@@ -71,7 +71,7 @@ class VendorPostOp:
         return attrs.get(self.algorithm_key, self.algorithms[0]) in self.algorithms
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # one entry per op: compared and hashed by identity
 class OpDef:
     name: str
     bound: Bound
