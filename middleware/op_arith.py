@@ -29,6 +29,12 @@ def _batch_norm_out(node: Node, graph: Graph) -> OutForm:
     no_stats = torch.empty(0)  # inference computes no saved statistics
 
     def batch_norm_out(x, mean, var, w, b, o):
+        if x.stride() != o.stride():
+            # ATen's out kernel assumes the input's memory order for the output: handed a
+            # destination strided otherwise (a permuted framework result into an arena view
+            # of its declared layout) it writes garbage (torch 2.14, tests/test_out_forms.py)
+            o.copy_(F.batch_norm(x, mean, var, w, b, False, 0.0, eps))
+            return
         # ATen's own kernel (bit-identical to F.batch_norm for dense outputs, in place too)
         torch.ops.aten.native_batch_norm.out(
             x, w, b, mean, var, False, 0.0, eps, out=o, save_mean=no_stats, save_invstd=no_stats
