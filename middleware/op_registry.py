@@ -73,6 +73,10 @@ class VendorPostOp:
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one entry per op: compared and hashed by identity
 class OpDef:
+    """Everything the compiler knows about one op (see ``middleware/ops.py``): its name,
+    default bound class and reference implementation (``make``: node -> callable over
+    tensors), then the facts each stage reads, grouped by stage in the fields below."""
+
     name: str
     bound: Bound
     make: Callable[[Node], Kernel]
@@ -96,8 +100,8 @@ class OpDef:
     # never generated.
     loops: Rule | None = None
     # Computes each sample of the batch (dimension 0) from that sample alone (batch
-    # slicing may run it on a slice of the batch); default: ``elementwise``.
-    # (None: the same as ``elementwise``; a registered entry always holds a bool)
+    # slicing may run it on a slice of the batch). None: the same as ``elementwise``
+    # (resolved when the entry is made: a registered entry always holds a bool).
     per_sample: bool | None = None
     # Attr values the framework's spelling defaults (filled in where a pass or a vendor call
     # may meet the op's attrs without them, e.g. a fused activation's).
@@ -162,6 +166,7 @@ CATALOGUE: dict[str, OpDef] = {}
 
 
 def register(op: OpDef) -> OpDef:
+    """Add ``op`` to the registry (``CATALOGUE``); an op name is registered once."""
     if op.name in CATALOGUE:
         raise ValueError(f"op {op.name!r} registered twice")
     CATALOGUE[op.name] = op
@@ -169,6 +174,7 @@ def register(op: OpDef) -> OpDef:
 
 
 def get_op(name: str) -> OpDef:
+    """The entry of op ``name``; :class:`UnsupportedError` naming the known ops if none."""
     try:
         return CATALOGUE[name]
     except KeyError:
