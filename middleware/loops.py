@@ -2,7 +2,9 @@
 
 The op registry (``middleware.ops``) is the one place an op is described; an entry's
 ``loops`` field is one of the rules below (or ``unary(pointwise)`` for an activation).
-This module knows no op by name; it gives code generation's view of an io op:
+Its rules know no op by name (but for the channel-shuffle pattern that ``shuffle_source``
+recognises across reshape and permute nodes); they give code generation's view of an io
+op:
 
 * its iteration domain: the output value's elements, always seen as a logical 4-d index
   ``(n, c, h, w)`` (rank-2 values ``(N, C)`` are ``(N, C, 1, 1)``);
