@@ -67,7 +67,7 @@ def _case(name: str) -> tuple[Graph, Node, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(SHAPE, generator=g)
     ins: list[tuple[str, torch.Tensor]] = [("x", x)]
-    attrs = dict(ATTRS.get(name, {}))
+    attrs = {**get_op(name).defaults, **ATTRS.get(name, {})}
     if name == "batch_norm":
         c = SHAPE[1]
         ins += [
