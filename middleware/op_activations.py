@@ -254,6 +254,58 @@ for _name, _fn, _flops, _expr, _inplace, _out, _onednn in (
     )
 
 
+def _elu(node: Node) -> Kernel:
+    alpha = float(node.attrs["alpha"])
+
+    def elu(x):
+        return F.elu(x, alpha)
+
+    return elu
+
+
+def _elu_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    # PyTorch's formula: x > 0 ? x : alpha * expm1(x) (NaN takes the second branch: NaN)
+    alpha = float(attrs["alpha"])
+    return call("select", call("gt", x, Const(0.0)), x, call("mul", Const(alpha), call("expm1", x)))
+
+
+def _elu_(attrs: Mapping[str, Any]) -> Kernel:
+    alpha = float(attrs["alpha"])
+
+    def elu_(x: torch.Tensor) -> torch.Tensor:
+        return F.elu(x, alpha, inplace=True)
+
+    return elu_
+
+
+def _elu_out(node: Node, graph: Graph) -> OutForm:
+    alpha = float(node.attrs["alpha"])
+
+    def elu_out(x, o):
+        torch._C._nn.elu(x, alpha, 1.0, 1.0, out=o)
+
+    return elu_out, ()
+
+
+# increasing for alpha >= 0 (commutes with max-pooling); oneDNN's fused post-ops through
+# the framework do not spell it, so a convolution before it runs with no post-op
+register(
+    OpDef(
+        "elu",
+        Bound.IO,
+        _elu,
+        elementwise=True,
+        flops_per_elem=4.0,
+        monotone=True,
+        monotone_if=lambda a: float(a["alpha"]) >= 0.0,
+        pointwise=_elu_expr,
+        defaults={"alpha": 1.0},
+        inplace=_elu_,
+        out=OutVariant(_elu_out, (0,)),
+    )
+)
+
+
 def _gelu(node: Node) -> Kernel:
     approximate = node.attrs["approximate"]
 

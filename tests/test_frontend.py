@@ -34,7 +34,7 @@ class UnknownModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 5, 3, padding=1)
-        self.act = nn.ELU(alpha=0.7)
+        self.act = nn.CELU(alpha=0.7)
         self.norm = nn.GroupNorm(1, 5)  # has parameters of its own
         self.shuffle = nn.PixelShuffle(2)
 
@@ -106,7 +106,7 @@ def test_fallback_runs_the_original_callable() -> None:
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.act = nn.ELU()
+            self.act = nn.CELU()
 
         def forward(self, x):  # noqa: ANN001, ANN201
             return self.act(x) * 2
@@ -121,7 +121,7 @@ def test_fallback_runs_the_original_callable() -> None:
     x = torch.randn(4, 3)
     out = optimized(x)
     assert calls == [model.act]
-    torch.testing.assert_close(out, F.elu(x) * 2, rtol=EVAL_RTOL, atol=EVAL_ATOL)
+    torch.testing.assert_close(out, F.celu(x) * 2, rtol=EVAL_RTOL, atol=EVAL_ATOL)
 
 
 def test_fallback_with_kwargs_and_nested_arguments(tree_close) -> None:

@@ -232,6 +232,7 @@ def test_layout_preserving_table(op):
         "adaptive_avg_pool2d": dict(output_size=(3, 2)),
         "adaptive_max_pool2d": dict(output_size=(3, 2)),
     }.get(op, {})
+    attrs = {**get_op(op).defaults, **attrs}  # an op added with defaults needs no line here
     torch.manual_seed(0)
     x = torch.randn(2, 6, 7, 9).contiguous(memory_format=CL)
     ins = [x]

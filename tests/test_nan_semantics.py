@@ -137,6 +137,7 @@ ACTIVATIONS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], tuple[float
     "silu": (F.silu, SPECIALS),
     "hardswish": (F.hardswish, SPECIALS),
     "hardsigmoid": (F.hardsigmoid, SPECIALS),
+    "elu": (lambda x: F.elu(x, 0.5), SPECIALS),
     "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), SPECIALS),
     "gelu": (F.gelu, (NAN, -INF)),  # see the module docstring
     "scalar_ops": (lambda x: (2.0 - x * 3.0) / 0.5 + 1.0, SPECIALS),
@@ -217,6 +218,7 @@ CUDA_CASES = {
     "silu": SPECIALS,
     "hardswish": SPECIALS,
     "hardsigmoid": SPECIALS,
+    "registry_elu": SPECIALS,
     "gelu_tanh": SPECIALS,
     "gelu": (NAN, -INF),
     "add": SPECIALS,

@@ -323,6 +323,12 @@ CASES: list[Case] = [
         lambda: Fn(lambda m, x: F.hardsigmoid(x * 4, True)),
         [X],
     ),
+    # --------------------------------------------------------------------- elu
+    ("elu-module", "elu", lambda: seq(nn.ELU()), [X]),
+    ("elu-module-alpha", "elu", lambda: seq(nn.ELU(alpha=0.3)), [X]),
+    ("elu-module-inplace", "elu", lambda: seq(nn.Conv2d(5, 4, 3), nn.ELU(inplace=True)), [X]),
+    ("elu-F", "elu", lambda: f1(F.elu), [X]),
+    ("elu-F-alpha", "elu", lambda: Fn(lambda m, x: F.elu(x * 3, alpha=2.5)), [X]),
     ("gelu-module", "gelu", lambda: seq(nn.GELU()), [X]),
     ("gelu-module-tanh", "gelu", lambda: seq(nn.GELU(approximate="tanh")), [X]),
     ("gelu-F", "gelu", lambda: f1(F.gelu), [X]),

@@ -56,6 +56,10 @@ def _leaky_attrs(low, x, b):
     return {"negative_slope": float(b["negative_slope"])}
 
 
+def _elu_attrs(low, x, b):
+    return {"alpha": float(b["alpha"])}
+
+
 def _gelu_attrs(low, x, b):
     return {"approximate": b["approximate"]}
 
@@ -355,6 +359,7 @@ FUNCTION_RULES: dict[Any, Any] = {
     F.hardswish: _f("hardswish", [_X, _INPLACE]),
     F.hardsigmoid: _f("hardsigmoid", [_X, _INPLACE]),
     F.gelu: _f("gelu", [_X, ("approximate", _default("gelu", "approximate"))], _gelu_attrs),
+    F.elu: _f("elu", [_X, ("alpha", _default("elu", "alpha")), _INPLACE], _elu_attrs),
     F.softmax: _f("softmax", _SOFTMAX_SPEC, _softmax_attrs),
     torch.softmax: _f("softmax", [_X, ("dim", None), ("dtype", None)], _softmax_attrs),
     F.log_softmax: _f("log_softmax", _SOFTMAX_SPEC, _softmax_attrs),
