@@ -306,6 +306,31 @@ register(
 )
 
 
+def _mish_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    # PyTorch's formula: x * tanh(softplus(x)), softplus(x) = log1p(exp(x))
+    return call("mul", x, call("tanh", call("log1p", call("exp", x))))
+
+
+def _mish_(x: torch.Tensor) -> torch.Tensor:
+    return F.mish(x, inplace=True)
+
+
+# not monotone (a minimum near x = -1.19): it never merges into a max-pool; oneDNN's fused
+# post-ops through the framework do not spell it
+register(
+    OpDef(
+        "mish",
+        Bound.IO,
+        _unary(F.mish),
+        elementwise=True,
+        flops_per_elem=6.0,
+        pointwise=_mish_expr,
+        inplace=_inplace_of(_mish_),
+        out=_unary_out(torch._C._nn.mish),
+    )
+)
+
+
 def _gelu(node: Node) -> Kernel:
     approximate = node.attrs["approximate"]
 

@@ -51,6 +51,10 @@ CHAINS = {
         [("sigmoid", {}), ("tanh", {}), ("gelu", dict(approximate="none")), ("hardsigmoid", {})],
     ),
     "gelu_tanh": ((1, 4, 3, 3), [("gelu", dict(approximate="tanh"))]),
+    "mish_then_avgpool": (
+        (2, 6, 7, 8),
+        [bn(), ("mish", {}), avgpool(3, 2, 1), ("mish", {})],
+    ),
     "elu_then_pool": (
         (2, 5, 8, 7),
         [bn(), ("elu", dict(alpha=0.7)), maxpool(3, 2, 1), ("elu", dict(alpha=1.0))],
@@ -91,7 +95,13 @@ CHAINS = {
     ),
 }
 
-TOL = {"sigmoid_tanh_gelu": 1e-4, "elu_then_pool": 1e-5, "activations": 1e-5, "gelu_tanh": 1e-4}
+TOL = {
+    "sigmoid_tanh_gelu": 1e-4,
+    "elu_then_pool": 1e-5,
+    "mish_then_avgpool": 1e-4,
+    "activations": 1e-5,
+    "gelu_tanh": 1e-4,
+}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -138,6 +138,7 @@ ACTIVATIONS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], tuple[float
     "hardswish": (F.hardswish, SPECIALS),
     "hardsigmoid": (F.hardsigmoid, SPECIALS),
     "elu": (lambda x: F.elu(x, 0.5), SPECIALS),
+    "mish": (F.mish, SPECIALS),
     "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), SPECIALS),
     "gelu": (F.gelu, (NAN, -INF)),  # see the module docstring
     "scalar_ops": (lambda x: (2.0 - x * 3.0) / 0.5 + 1.0, SPECIALS),
@@ -219,6 +220,7 @@ CUDA_CASES = {
     "hardswish": SPECIALS,
     "hardsigmoid": SPECIALS,
     "registry_elu": SPECIALS,
+    "registry_mish": SPECIALS,
     "gelu_tanh": SPECIALS,
     "gelu": (NAN, -INF),
     "add": SPECIALS,

@@ -323,6 +323,10 @@ CASES: list[Case] = [
         lambda: Fn(lambda m, x: F.hardsigmoid(x * 4, True)),
         [X],
     ),
+    # -------------------------------------------------------------------- mish
+    ("mish-module", "mish", lambda: seq(nn.Mish()), [X]),
+    ("mish-module-inplace", "mish", lambda: seq(nn.Conv2d(5, 4, 3), nn.Mish(inplace=True)), [X]),
+    ("mish-F", "mish", lambda: Fn(lambda m, x: F.mish(x * 4)), [X]),
     # --------------------------------------------------------------------- elu
     ("elu-module", "elu", lambda: seq(nn.ELU()), [X]),
     ("elu-module-alpha", "elu", lambda: seq(nn.ELU(alpha=0.3)), [X]),

@@ -360,6 +360,7 @@ FUNCTION_RULES: dict[Any, Any] = {
     F.hardsigmoid: _f("hardsigmoid", [_X, _INPLACE]),
     F.gelu: _f("gelu", [_X, ("approximate", _default("gelu", "approximate"))], _gelu_attrs),
     F.elu: _f("elu", [_X, ("alpha", _default("elu", "alpha")), _INPLACE], _elu_attrs),
+    F.mish: _f("mish", [_X, _INPLACE]),
     F.softmax: _f("softmax", _SOFTMAX_SPEC, _softmax_attrs),
     torch.softmax: _f("softmax", [_X, ("dim", None), ("dtype", None)], _softmax_attrs),
     F.log_softmax: _f("log_softmax", _SOFTMAX_SPEC, _softmax_attrs),
