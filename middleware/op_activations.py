@@ -331,6 +331,48 @@ register(
 )
 
 
+def _hardshrink(node: Node) -> Kernel:
+    lambd = float(node.attrs["lambd"])
+
+    def hardshrink(x):
+        return F.hardshrink(x, lambd)
+
+    return hardshrink
+
+
+def _hardshrink_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    # PyTorch's formula: (x >= -lambd && x <= lambd) ? 0 : x (a NaN fails both: NaN)
+    lambd = float(attrs["lambd"])
+    inside = call("and", call("ge", x, Const(-lambd)), call("le", x, Const(lambd)))
+    return call("select", inside, Const(0.0), x)
+
+
+def _hardshrink_out(node: Node, graph: Graph) -> OutForm:
+    lambd = float(node.attrs["lambd"])
+
+    def hardshrink_out(x, o):
+        torch.ops.aten.hardshrink.out(x, lambd, out=o)
+
+    return hardshrink_out, ()
+
+
+# non-decreasing for any lambd (x below -|lambd|, 0, x above |lambd|): commutes with
+# max-pooling; ATen has no in-place form and oneDNN's fused post-ops do not spell it
+register(
+    OpDef(
+        "hardshrink",
+        Bound.IO,
+        _hardshrink,
+        elementwise=True,
+        flops_per_elem=3.0,
+        monotone=True,
+        pointwise=_hardshrink_expr,
+        defaults={"lambd": 0.5},
+        out=OutVariant(_hardshrink_out, (0,)),
+    )
+)
+
+
 def _gelu(node: Node) -> Kernel:
     approximate = node.attrs["approximate"]
 

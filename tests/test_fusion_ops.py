@@ -55,6 +55,10 @@ CHAINS = {
         (2, 6, 7, 8),
         [bn(), ("mish", {}), avgpool(3, 2, 1), ("mish", {})],
     ),
+    "hardshrink_around_pool": (
+        (2, 5, 9, 6),
+        [bn(), ("hardshrink", dict(lambd=0.4)), maxpool(3, 2, 1), ("hardshrink", dict(lambd=0.1))],
+    ),
     "elu_then_pool": (
         (2, 5, 8, 7),
         [bn(), ("elu", dict(alpha=0.7)), maxpool(3, 2, 1), ("elu", dict(alpha=1.0))],

@@ -139,6 +139,7 @@ ACTIVATIONS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], tuple[float
     "hardsigmoid": (F.hardsigmoid, SPECIALS),
     "elu": (lambda x: F.elu(x, 0.5), SPECIALS),
     "mish": (F.mish, SPECIALS),
+    "hardshrink": (lambda x: F.hardshrink(x, 0.3), SPECIALS),
     "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), SPECIALS),
     "gelu": (F.gelu, (NAN, -INF)),  # see the module docstring
     "scalar_ops": (lambda x: (2.0 - x * 3.0) / 0.5 + 1.0, SPECIALS),
@@ -221,6 +222,7 @@ CUDA_CASES = {
     "hardsigmoid": SPECIALS,
     "registry_elu": SPECIALS,
     "registry_mish": SPECIALS,
+    "registry_hardshrink": SPECIALS,
     "gelu_tanh": SPECIALS,
     "gelu": (NAN, -INF),
     "add": SPECIALS,

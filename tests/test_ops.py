@@ -323,6 +323,11 @@ CASES: list[Case] = [
         lambda: Fn(lambda m, x: F.hardsigmoid(x * 4, True)),
         [X],
     ),
+    # -------------------------------------------------------------- hardshrink
+    ("hardshrink-module", "hardshrink", lambda: seq(nn.Hardshrink()), [X]),
+    ("hardshrink-module-lambd", "hardshrink", lambda: seq(nn.Hardshrink(1.2)), [X]),
+    ("hardshrink-F", "hardshrink", lambda: f1(F.hardshrink), [X]),
+    ("hardshrink-F-lambd", "hardshrink", lambda: Fn(lambda m, x: F.hardshrink(x, 0.2)), [X]),
     # -------------------------------------------------------------------- mish
     ("mish-module", "mish", lambda: seq(nn.Mish()), [X]),
     ("mish-module-inplace", "mish", lambda: seq(nn.Conv2d(5, 4, 3), nn.Mish(inplace=True)), [X]),

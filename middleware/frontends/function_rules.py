@@ -60,6 +60,10 @@ def _elu_attrs(low, x, b):
     return {"alpha": float(b["alpha"])}
 
 
+def _hardshrink_attrs(low, x, b):
+    return {"lambd": float(b["lambd"])}
+
+
 def _gelu_attrs(low, x, b):
     return {"approximate": b["approximate"]}
 
@@ -361,6 +365,9 @@ FUNCTION_RULES: dict[Any, Any] = {
     F.gelu: _f("gelu", [_X, ("approximate", _default("gelu", "approximate"))], _gelu_attrs),
     F.elu: _f("elu", [_X, ("alpha", _default("elu", "alpha")), _INPLACE], _elu_attrs),
     F.mish: _f("mish", [_X, _INPLACE]),
+    F.hardshrink: _f(
+        "hardshrink", [_X, ("lambd", _default("hardshrink", "lambd"))], _hardshrink_attrs
+    ),
     F.softmax: _f("softmax", _SOFTMAX_SPEC, _softmax_attrs),
     torch.softmax: _f("softmax", [_X, ("dim", None), ("dtype", None)], _softmax_attrs),
     F.log_softmax: _f("log_softmax", _SOFTMAX_SPEC, _softmax_attrs),

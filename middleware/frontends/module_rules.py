@@ -154,6 +154,7 @@ MODULE_RULES: dict[type, Any] = {
     nn.GELU: _simple_module("gelu", lambda m: {"approximate": m.approximate}),
     nn.ELU: _simple_module("elu", lambda m: {"alpha": float(m.alpha)}),
     nn.Mish: _simple_module("mish"),
+    nn.Hardshrink: _simple_module("hardshrink", lambda m: {"lambd": float(m.lambd)}),
     nn.Softmax: _simple_module("softmax", _softmax_dim),
     nn.LogSoftmax: _simple_module("log_softmax", _softmax_dim),
     nn.MaxPool2d: _m_max_pool,
