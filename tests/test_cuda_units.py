@@ -54,7 +54,7 @@ def test_optimize_cuda_without_gpu_names_the_missing_device():
 
 def test_missing_loader_says_how_to_install(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr("middleware.backends.cuda.loader.available_loaders", lambda: [])
+    monkeypatch.setattr("middleware.backends.cuda.available_loaders", lambda: [])
     with pytest.raises(DeviceError) as info:
         check_cuda_runtime()
     msg = str(info.value)

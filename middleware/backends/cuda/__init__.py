@@ -11,16 +11,15 @@ the convolution epilogues (``epilogue.py``).
 
 from __future__ import annotations
 
+import torch
+
 from ...errors import DeviceError
+from .loader import INSTALL_HINT, available_loaders
 
 
 def check_cuda_runtime() -> None:
     """Raise ``DeviceError`` naming the missing piece when generated CUDA kernels cannot run:
     no CUDA device, or no kernel loader (pycuda or cuda-python), with how to install it."""
-    import torch
-
-    from .loader import INSTALL_HINT, available_loaders
-
     if not torch.cuda.is_available():
         raise DeviceError(
             "device='cuda' but PyTorch sees no CUDA device here (torch.cuda.is_available() is "

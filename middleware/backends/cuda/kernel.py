@@ -17,6 +17,8 @@ from ...graph import TensorType
 from ...hardware import Hardware
 from ...passes.schedule_ir import Schedule
 from .build import build, cubin_request
+from .emulate import emulated_launcher
+from .loader import LoadedKernel, get_loader
 from .render import RenderedKernel, render_schedule
 
 
@@ -93,8 +95,6 @@ def compile_schedule(
     Raises ``UnsupportedError`` (cannot render), ``CompileError`` (nvcc/NVRTC failed) or
     ``DeviceError`` (no compiler or loader).
     """
-    from .loader import LoadedKernel, get_loader
-
     rendered = render_schedule(schedule, hardware, emulate=False)
     req = cubin_request(
         rendered.name, rendered.source, hardware.arch or "sm_80", key_extra, meta=_meta(rendered)
@@ -106,8 +106,6 @@ def compile_schedule(
 
 def emulate_schedule(schedule: Schedule, hardware: Hardware, cache_dir: Path) -> GeneratedKernel:
     """The same kernel compiled for the CPU emulation: a callable over CPU tensors."""
-    from .emulate import emulated_launcher
-
     rendered = render_schedule(schedule, hardware, emulate=True)
     return GeneratedKernel(rendered, emulated_launcher(rendered, cache_dir))
 

@@ -29,6 +29,7 @@ from ...passes.group import MAX_SERIAL_REDUCTION, bypassed, group, io_groups, re
 from ...passes.schedule import schedule_group
 from ...passes.schedule_ir import Schedule
 from ..interface import Unit, node_step, to_tensor
+from ..vendor import vendor_kernel
 from .build import build_many, cubin_request, emulation_request
 from .emulate import EmulatedLauncher, emulated_launcher
 from .epilogue import Epilogue, conv_epilogue, make_conv, render_epilogue
@@ -107,10 +108,6 @@ def cuda_units(
     ``emulate=True`` (tests without a GPU): the same kernels compiled for the CPU emulation
     and run on CPU tensors, so that grouping and plan integration are tested end to end.
     """
-    try:  # cuDNN/cuBLAS calls with prepacked weights, where the vendor module offers them
-        from ..vendor import vendor_kernel
-    except ImportError:
-        vendor_kernel = None
     if emulate:
         index = -1
     else:
