@@ -24,15 +24,15 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+
+import middleware
 from middleware.backends.x86 import X86Backend
 from middleware.backends.x86.compile import build_c
 from middleware.frontends import trace
-
-import middleware
-from middleware.pipeline import compile_graph
 from middleware.graph import Graph
 from middleware.hardware import detect
 from middleware.options import Options
+from middleware.pipeline import compile_graph
 
 TRIAD_C = """
 #include <stddef.h>

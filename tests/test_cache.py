@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import middleware
 from middleware.backends import cache as cache_mod
 from middleware.backends.cache import (
     BuildRequest,
@@ -35,8 +37,6 @@ from middleware.backends.x86.build import (
     ispc_build_request,
     load_shared,
 )
-
-import middleware
 from middleware.errors import CompileError
 
 # y[i] = x[i] * a + b, written so that a wrong argument order gives wrong numbers.

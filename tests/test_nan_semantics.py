@@ -25,15 +25,15 @@ import torch.nn.functional as F
 from cuda_cases import CASES, FAKE_GPU, inputs_for, kernel_args, schedule_of
 from fusion_helpers import bn, build_chain, hardware, maxpool
 from hypothesis import given, settings
+from test_fusion_hypothesis import chains
+from torch import nn
+
+import middleware
 from middleware.backends.cuda.build import build, emulation_request
 from middleware.backends.cuda.emulate import EmulatedLauncher
 from middleware.backends.cuda.kernel import GeneratedKernel
 from middleware.backends.cuda.render import render_schedule
 from middleware.backends.x86 import IspcBackend, X86Backend
-from test_fusion_hypothesis import chains
-from torch import nn
-
-import middleware
 from middleware.options import Options
 
 NAN, INF = math.nan, math.inf

@@ -24,10 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import middleware
-from middleware.pipeline import compile_graph
 from middleware.graph import Graph, Node, TensorType
 from middleware.ops import CATALOGUE, infer_types
 from middleware.options import Options
+from middleware.pipeline import compile_graph
 
 EVAL_RTOL, EVAL_ATOL = 1e-5, 1e-6
 OPT_RTOL, OPT_ATOL = 1e-4, 1e-4
