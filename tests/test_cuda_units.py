@@ -13,9 +13,10 @@ from cuda_cases import FAKE_GPU
 
 import middleware
 from middleware.backends.cuda import check_cuda_runtime
-from middleware.backends.cuda.units import cuda_units, generated_groups
+from middleware.backends.cuda.units import cuda_units
 from middleware.errors import DeviceError
 from middleware.options import Options
+from middleware.passes.group import generated_groups
 from middleware.runtime.plan import build_plan
 
 

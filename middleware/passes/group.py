@@ -109,6 +109,15 @@ def io_groups(graph: Graph) -> list[list[str]]:
     return [names for gid, names in groups.items() if gid not in bad]
 
 
+def generated_groups(graph: Graph, hardware: Hardware | None = None) -> list[list[str]]:
+    """The io groups a backend generates kernels for, in execution order: the passes'
+    groups, or, for a graph the passes did not group (tests, a backend called directly),
+    the groups :func:`group` draws for ``hardware`` (one grouping rule for every backend)."""
+    if not any(n.group is not None for n in graph.nodes()):
+        graph = group(graph, hardware)
+    return io_groups(graph)
+
+
 def group(graph: Graph, hardware: Hardware | None = None) -> Graph:
     """Set ``group`` (an int id) on every node and order the nodes group by group.
 

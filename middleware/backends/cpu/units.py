@@ -7,9 +7,8 @@ where its measured rule picks it, else oneDNN with prepacked weights and fused
 post-ops), every other node through its catalogue implementation.
 
 ``fusion_units(backend, graph, options, hardware)`` asks ``backend`` for a kernel per group whose
-nodes are all bound "io" (``node.group``/``node.bound`` from the passes). A graph without
-groups (the passes have not run) gets groups of consecutive io nodes that read each
-other. A group the backend cannot run as a whole is tried as its maximal runs of nodes
+nodes are all bound "io" (``passes.group.generated_groups``: the passes' groups, or the
+group pass's for a graph the passes did not group). A group the backend cannot run as a whole is tried as its maximal runs of nodes
 that have loop semantics. A compile failure warns (naming the group and the source path)
 and its nodes run through the framework with the compiler's message as the reason;
 ``options.strict`` raises the :class:`~middleware.errors.CompileError` instead.
@@ -25,13 +24,14 @@ from typing import Any, Protocol
 
 import torch
 
-from ...enums import Bound, RunsAs
+from ...enums import RunsAs
 from ...errors import CompileError
 from ...graph import Graph
 from ...hardware import Hardware
 from ...loops import NotFusable
 from ...ops import get_op, has_loops, loops_of
 from ...options import Options
+from ...passes.group import generated_groups
 from ..interface import Unit, node_step
 from ..vendor import ONEDNN_DTYPES, vendor_call
 from ..vendor.winograd import prebuild
@@ -47,35 +47,6 @@ class KernelGenerator(Protocol):
     def build(
         self, graph: Graph, nodes: Sequence[str], options: Options, hardware: Hardware
     ) -> Any: ...
-
-
-def io_groups(graph: Graph) -> list[list[str]]:
-    """Groups of io nodes in topological order: the passes' groups when they set any,
-    else chains of consecutive io nodes each reading the previous one's output."""
-    nodes = list(graph.nodes())
-    if any(n.group is not None for n in nodes):
-        groups: dict[int, list[str]] = {}
-        bad: set[int] = set()
-        for n in nodes:
-            if n.group is None:
-                continue
-            groups.setdefault(n.group, []).append(n.name)
-            if n.bound != Bound.IO:
-                bad.add(n.group)
-        return [names for gid, names in groups.items() if gid not in bad]
-    out: list[list[str]] = []
-    run: list[str] = []
-    for n in nodes:
-        io = get_op(n.op).bound == Bound.IO and has_loops(n.op) and len(n.outputs) == 1
-        if io and run and graph.node(run[-1]).outputs[0] in n.inputs:
-            run.append(n.name)
-            continue
-        if run:
-            out.append(run)
-        run = [n.name] if io else []
-    if run:
-        out.append(run)
-    return out
 
 
 def _has_loops(graph: Graph, name: str) -> bool:
@@ -191,7 +162,7 @@ def fusion_units(
     failed: dict[str, str] = {}
     why = {} if why_not is None else why_not
     todo: list[list[str]] = []
-    for group in io_groups(graph):
+    for group in generated_groups(graph, hardware):
         candidates = [group]
         ok, refused = backend.can_run(graph, group, hardware, options)
         if not ok or any(_vendor_faster(graph, n) for n in group):

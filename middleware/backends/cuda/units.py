@@ -25,7 +25,12 @@ from ...hardware import Hardware
 from ...loops import NotFusable
 from ...ops import get_op, loops_of
 from ...options import Options
-from ...passes.group import MAX_SERIAL_REDUCTION, bypassed, group, io_groups, reduction_extent
+from ...passes.group import (
+    MAX_SERIAL_REDUCTION,
+    bypassed,
+    generated_groups,
+    reduction_extent,
+)
 from ...passes.schedule import schedule_group
 from ...passes.schedule_ir import Schedule
 from ..interface import Unit, node_step, to_tensor
@@ -73,14 +78,6 @@ def why_unsupported(graph: Graph, names: Sequence[str], hardware: Hardware) -> s
     except (NotFusable, UnsupportedError) as e:
         return f"not fusable: {e}"
     return ""
-
-
-def generated_groups(graph: Graph, hardware: Hardware) -> list[list[str]]:
-    """The io groups of ``graph`` (the passes' groups; grouped by the group pass for
-    ``hardware`` when the passes did not run), in execution order."""
-    if not any(n.group is not None for n in graph.nodes()):
-        graph = group(graph, hardware)
-    return io_groups(graph)
 
 
 def _left_out(graph: Graph, names: Sequence[str], through: set[str]) -> dict[str, str]:
