@@ -101,15 +101,6 @@ def variables(x: Ix) -> set[str]:
     return set()
 
 
-def rename(x: Ix, mapping: Mapping[str, Ix]) -> Ix:
-    """``x`` with each variable named in ``mapping`` replaced by its expression."""
-    if isinstance(x, Var):
-        return mapping.get(x.name, x)
-    if isinstance(x, Op):
-        return Op(x.op, tuple(rename(a, mapping) for a in x.args))
-    return x
-
-
 # ------------------------------------------------------------------------- C printer
 # precedence of C's operators (higher binds tighter); calls and atoms are 100
 _PREC = {
@@ -161,7 +152,8 @@ def _c(x: Ix, names: Callable[[str], str]) -> tuple[str, int]:
         return f"({c} ? {t} : {f})", 100
     if x.op == "neg":
         s, p = _c(x.args[0], names)
-        return f"-{s if p >= 7 else f'({s})'}", 7
+        # a negative operand is parenthesised: "--h" would be C's decrement
+        return f"-{s if p >= 7 and not s.startswith('-') else f'({s})'}", 7
     prec = _PREC[x.op]
     parts = []
     for i, a in enumerate(x.args):
