@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .backends import describe_available
-from .backends.cuda import check_cuda_runtime
+from .backends import backend_for, describe_available
 from .errors import DeviceError, OptionsError, TrainingModeError
 from .frontends import trace as _trace
 from .graph import Graph
@@ -78,8 +77,7 @@ def optimize(
     if opts.get("debug_dir") is not None:
         opts["debug_dir"] = Path(opts["debug_dir"])  # type: ignore[arg-type]
     resolved = resolve_device(device)
-    if resolved.startswith("cuda"):
-        check_cuda_runtime()
+    backend_for(resolved).check_runtime()
     o = Options(
         device=resolved, cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(), **opts
     )  # type: ignore[arg-type]

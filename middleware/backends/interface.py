@@ -89,6 +89,12 @@ class Backend(Protocol):
     device_type: str
     slices_batch: bool
 
+    def check_runtime(self) -> None:
+        """Raise :class:`~middleware.errors.DeviceError` naming what is missing (and how to
+        install it) when this backend cannot run on this machine; ``optimize`` asks before
+        it compiles anything."""
+        ...
+
     def can_run(
         self,
         graph: Graph,

@@ -27,6 +27,10 @@ class CpuBackend(X86Backend):
     device_type = "cpu"
     slices_batch = True  # batch slicing pays on CPU caches (runtime/chunked.py)
 
+    def check_runtime(self) -> None:
+        """A CPU plan needs nothing beyond PyTorch (the C compiler is checked per kernel:
+        a group that fails to compile runs through the framework)."""
+
     def lower(self, graph: Graph, options: Options) -> Graph:
         """No CPU-specific rewrites: the passes' graph is what runs."""
         return graph

@@ -17,6 +17,7 @@ from ...graph import Graph
 from ...hardware import Hardware
 from ...options import Options
 from ..interface import Unit
+from . import check_cuda_runtime
 from .graphs import CudaGraphPlan
 from .lower import affine_batch_norms, channels_last_weights
 from .units import cuda_units, why_unsupported
@@ -31,6 +32,10 @@ class CudaBackend:
     # "auto" batch slicing stays off: the slices' kernels would be too small to fill the
     # GPU (and it is not measured there); a number of samples per slice still slices.
     slices_batch = False
+
+    def check_runtime(self) -> None:
+        """A CUDA device and a kernel loader (pycuda or cuda-python) must be present."""
+        check_cuda_runtime()
 
     def can_run(
         self,

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import networkx as nx
 import torch
 
+from ...enums import RunsAs
 from ...errors import CompileError, DeviceError, UnsupportedError
 from ...graph import Graph, Node
 from ...hardware import Hardware
@@ -206,7 +207,7 @@ def cuda_units(
             units.append(
                 Unit(
                     k.rendered.schedule.name,
-                    "generated",
+                    RunsAs.GENERATED,
                     k,
                     k.rendered.inputs,
                     k.rendered.outputs,
@@ -217,15 +218,15 @@ def cuda_units(
             )
             continue
         runs_as, fn, reason = node_step(graph, n, device)
-        if runs_as == "vendor" and n.name in why:
+        if runs_as == RunsAs.VENDOR and n.name in why:
             reason = why[n.name]
         ep = epilogues.get(n.name)
-        if runs_as == "vendor" and ep is not None and ep.name() in ep_launchers:
+        if runs_as == RunsAs.VENDOR and ep is not None and ep.name() in ep_launchers:
             fn = make_conv(
                 n, ep, ep_launchers[ep.name()], hardware, _conv_weight(graph, n, ep, device)
             )
             reason = "cuDNN convolution + generated epilogue (" + ep.name() + ")"
-        elif runs_as == "vendor" and vendor_kernel is not None and not emulate:
+        elif runs_as == RunsAs.VENDOR and vendor_kernel is not None and not emulate:
             fn = vendor_kernel(graph, n, device, hardware) or fn
         units.append(Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
     return order_units(units)
