@@ -170,13 +170,6 @@ def _pinned(static: dict[str, Any], pin: Any, figures: dict[str, float], rest: s
     return Hardware(**fields)
 
 
-def _read_int(path: str) -> int | None:
-    try:
-        return int(Path(path).read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
 def _cache_size(level: int, kind: str = "") -> int | None:
     """Size in bytes of the CPU cache of ``level`` (data or unified) from sysfs."""
     base = Path("/sys/devices/system/cpu/cpu0/cache")

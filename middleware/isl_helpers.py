@@ -17,14 +17,6 @@ import islpy as isl
 from . import index_expr as ix
 
 
-def box_set(
-    name: str, dims: Sequence[str], extents: Sequence[int], params: Sequence[str] = ()
-) -> isl.Set:
-    """``[params] -> { name[dims] : 0 <= d < extent }``."""
-    cons = " and ".join(f"0 <= {d} < {e}" for d, e in zip(dims, extents, strict=True))
-    return isl.Set(f"[{', '.join(params)}] -> {{ {name}[{', '.join(dims)}] : {cons} }}")
-
-
 def tile_set(
     name: str,
     dims: Sequence[str],
@@ -82,10 +74,6 @@ def name_dims(s: isl.Set, names: Sequence[str]) -> isl.Set:
     return s
 
 
-def rename_set(s: isl.Set, name: str) -> isl.Set:
-    return s.set_tuple_name(name)
-
-
 def as_params(s: isl.Set, first: int, count: int) -> isl.Set:
     """Set dims ``first .. first+count-1`` of ``s`` become parameters (keeping their names)."""
     nparam = s.dim(isl.dim_type.param)
@@ -112,10 +100,6 @@ def _loop_bound_affs(s: isl.Set, order: Sequence[int]) -> list[tuple[tuple, tupl
         ctx = p.params()
         out.append(((p.dim_min(0), ctx), (p.dim_max(0), ctx)))
     return out
-
-
-def dim_range(s: isl.Set, dim: int) -> tuple[isl.PwAff, isl.PwAff]:
-    return s.dim_min(dim), s.dim_max(dim)
 
 
 def max_extent(s: isl.Set, dim: int) -> int:

@@ -27,7 +27,9 @@ How to add an elementwise op of one input (an activation), e.g. ``elu``:
 2. ``frontends/``: one rule mapping the framework's spellings (module, function, method)
    to the op and its attrs.
 3. Tests: ``tests/test_ops.py`` (reference against eager), ``tests/test_fusion_ops.py``
-   (generated code inside a fused group), ``tests/cuda_cases.py``.
+   (generated code inside a fused group, C and reference backends),
+   ``tests/test_nan_semantics.py`` (NaN/inf); ``tests/cuda_cases.py`` derives the CUDA
+   cases of every entry with ``pointwise`` semantics itself.
 
 Other ops are added the same way in the module of their family; an op with windows or
 several inputs gives ``loops`` a rule of ``middleware.loops`` instead of ``pointwise``.

@@ -37,6 +37,7 @@ from __future__ import annotations
 import heapq
 import math
 
+from ..enums import Bound
 from ..graph import Graph, Node
 from ..hardware import Hardware
 from ..loops import Load, NotFusable, OpLoops, leaves, logical4
@@ -104,7 +105,7 @@ def io_groups(graph: Graph) -> list[list[str]]:
         if n.group is None:
             continue
         groups.setdefault(n.group, []).append(n.name)
-        if n.bound != "io":
+        if n.bound != Bound.IO:
             bad.add(n.group)
     return [names for gid, names in groups.items() if gid not in bad]
 
@@ -130,8 +131,7 @@ def group(graph: Graph, hardware: Hardware | None = None) -> Graph:
     device's description (one thread per output element on CUDA: see the module's doc).
     """
     nodes = [
-        n if n.bound is not None else n.replace(bound=str(get_op(n.op).bound))
-        for n in graph.nodes()
+        n if n.bound is not None else n.replace(bound=get_op(n.op).bound) for n in graph.nodes()
     ]
     by_name = {n.name: n for n in nodes}
     position = {n.name: i for i, n in enumerate(nodes)}
@@ -211,7 +211,7 @@ class _PerPoint:
         self.bypassed = bypassed(graph)
 
     def alone(self, n: Node) -> bool:
-        if n.bound != "io" or n.name in self.bypassed:
+        if n.bound != Bound.IO or n.name in self.bypassed:
             return False
         return (
             _semantics(self.graph, n) is None
@@ -219,7 +219,7 @@ class _PerPoint:
         )
 
     def joins(self, n: Node, p: Node) -> bool:
-        if n.bound != "io":
+        if n.bound != Bound.IO:
             return True
         if self.alone(n) or self.alone(p):
             return False
@@ -236,7 +236,7 @@ def _one_output_pieces(graph: Graph, run: list[Node]) -> list[list[Node]]:
     """``run`` (one group's nodes in order) cut into consecutive pieces whose only value
     read outside the piece is the output of its last node (io groups only). Consecutive
     pieces of a convex group stay convex and in topological order."""
-    if not run or run[0].bound != "io":
+    if not run or run[0].bound != Bound.IO:
         return [run]
     outs = set(graph.output_values())
     cuts: set[int] = set()
