@@ -54,7 +54,7 @@ ns = {}
 exec(open(sys.argv[2]).read(), ns)
 m = ns["model"]()
 x = torch.randn(2, 3, 17, 19, generator=torch.Generator().manual_seed(1))
-opt = middleware.optimize(m, "cpu", example_inputs=(x,), cache_dir=sys.argv[1], strict=True)
+opt = middleware.optimize(m, "cpu", example_inputs=(x,), cache_dir=sys.argv[1], strict=True, measure_hardware=False)
 with torch.no_grad():
     ref, got = m(x), opt(x)
 torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -72,7 +72,9 @@ def test_warm_build_in_new_process_neither_schedules_nor_compiles(tmp_path):
     cache = tmp_path / "cache"
     m = _model()
     x = torch.randn(2, 3, 17, 19, generator=torch.Generator().manual_seed(1))
-    opt = middleware.optimize(m, "cpu", example_inputs=(x,), cache_dir=cache, strict=True)
+    opt = middleware.optimize(
+        m, "cpu", example_inputs=(x,), cache_dir=cache, strict=True, measure_hardware=False
+    )
     with torch.no_grad():
         torch.testing.assert_close(opt(x), m(x), atol=ATOL, rtol=RTOL)
     records = [json.loads(p.read_text()) for p in (cache / "index").glob("*.json")]
