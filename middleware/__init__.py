@@ -4,7 +4,14 @@ import middleware
 optimized = middleware.optimize(model, device="cpu")
 """
 
-from .api import available_backends, optimize, trace
+from .api import (
+    Layer,
+    available_backends,
+    optimize,
+    register_algorithm,
+    trace,
+    unregister_algorithm,
+)
 from .errors import (
     CompileError,
     DeviceError,
@@ -29,6 +36,7 @@ __all__ = [
     "InputMismatchError",
     "InputTypeError",
     "InternalError",
+    "Layer",
     "MiddlewareError",
     "Node",
     "Options",
@@ -41,5 +49,7 @@ __all__ = [
     "available_backends",
     "optimize",
     "profile",
+    "register_algorithm",
     "trace",
+    "unregister_algorithm",
 ]

@@ -10,15 +10,26 @@ import torch
 import torch.nn as nn
 
 from .backends import backend_for, describe_available
+from .backends.vendor import Layer, check_selection, register_algorithm, unregister_algorithm
 from .errors import DeviceError, OptionsError, TrainingModeError
 from .frontends import trace as _trace
 from .graph import Graph
-from .options import Options, default_cache_dir
+from .options import Options, default_cache_dir, selection_pairs
 from .passes import pass_names
 from .pipeline import compile_model
 from .runtime.module import OptimizedModule
 
 DEVICES = ("cpu", "cuda", "auto")
+# the algorithm registry's public half (backends/vendor/algorithms.py)
+__all__ = [
+    "Layer",
+    "available_backends",
+    "optimize",
+    "register_algorithm",
+    "resolve_device",
+    "trace",
+    "unregister_algorithm",
+]
 
 
 def available_backends() -> list[str]:
@@ -56,7 +67,9 @@ def optimize(
 
     ``device``: "cpu", "cuda" or "auto". Without ``example_inputs`` the model is traced on
     the first call. Further settings (``disable_passes``, ``debug_dir``, ``strict``,
-    ``layout``, ``fuse``, ...) are the fields of :class:`middleware.Options`.
+    ``layout``, ``fuse``, ``algorithms``, ...) are the fields of :class:`middleware.Options`;
+    ``algorithms={"conv2d": sel}`` picks each convolution's algorithm (a name, a list by
+    layer, or a callable on a :class:`Layer`; see ``backends/vendor/algorithms.py``).
     The original model is never modified.
     """
     if not isinstance(model, nn.Module):
@@ -96,6 +109,7 @@ def _check_option_values(opts: dict[str, object]) -> None:
         raise OptionsError(
             f"unknown pass(es) {unknown} in disable_passes; passes are: {', '.join(known)}"
         )
+    check_selection(selection_pairs(opts.get("algorithms")))
     layout = opts.get("layout", "auto")
     if layout not in LAYOUTS:
         raise OptionsError(f"layout={layout!r} is not one of {', '.join(map(repr, LAYOUTS))}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,19 @@ def check_memory_default() -> bool:
     """``$MIDDLEWARE_CHECK_MEMORY`` set to anything but "" or "0" turns on the buffer plan's
     run-time check (``Options.check_memory``)."""
     return os.environ.get("MIDDLEWARE_CHECK_MEMORY", "") not in ("", "0")
+
+
+def selection_pairs(algorithms: Any) -> tuple[tuple[str, Any], ...]:
+    """``{op: selector}`` (or its pairs) as sorted, hashable pairs; lists become tuples."""
+    if not algorithms:
+        return ()
+    items = algorithms.items() if isinstance(algorithms, Mapping) else algorithms
+    out = []
+    for op, sel in items:
+        if isinstance(sel, Sequence) and not isinstance(sel, str):
+            sel = tuple(sel)
+        out.append((str(op), sel))
+    return tuple(sorted(out, key=lambda p: p[0]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +72,14 @@ class Options:
     # batched GEMM, 2-2.5x faster on large layers, within ~1e-5 of the output's scale per
     # layer. False keeps every convolution in oneDNN's direct algorithm.
     winograd: bool = True
+    # Per-layer algorithm choice, per op: {"conv2d": selector}, the selector a name (every
+    # conv2d layer), a list of names (the i-th conv2d layer in graph order gets the i-th;
+    # "default" lets the middleware decide) or a callable (layer) -> name
+    # (backends/vendor/algorithms.py: Layer, ALGORITHMS). A named algorithm that does not
+    # apply to a layer falls back to the default there, with the reason in report().
+    # ``winograd`` only governs the default: an explicit "winograd_f4x4" runs wherever it
+    # applies, even with winograd=False. Kept as sorted (op, selector) pairs.
+    algorithms: Any = None
     # On CUDA, a plan replays as one CUDA graph (captured on its first call): no launch
     # overhead per step. False runs the plan's steps one by one.
     cuda_graphs: bool = True
@@ -72,6 +94,7 @@ class Options:
     def __post_init__(self) -> None:
         # frozen: the checked, hashable form of the pin replaces what was passed
         object.__setattr__(self, "hardware", hardware_pin(self.hardware))
+        object.__setattr__(self, "algorithms", selection_pairs(self.algorithms))
 
     def codegen_key(self) -> str:
         """The settings that change generated code, as a stable string for cache keys."""

@@ -296,12 +296,12 @@ def test_prebuild_compiles_every_variant_the_graph_needs(tmp_path):
     assert all(list((tmp_path / "b" / "kernels").glob(f"{w}-*/kernel.so")) for w in wanted)
 
 
-def test_vendor_algorithms_try_winograd_then_the_direct_call(monkeypatch, tmp_path):
-    """conv2d's algorithms in the vendor module (backends/vendor/algorithms.py): Winograd
+def test_vendor_algorithms_default_is_winograd_by_rule_then_the_direct_call(monkeypatch, tmp_path):
+    """conv2d's default in the vendor module (backends/vendor/algorithms.py): Winograd
     where its rule and Options(winograd=True) allow it, else oneDNN's direct call; an op
     without algorithms gets none (the catalogue reference runs)."""
     monkeypatch.setattr(wg, "MIN_PIXELS", 256)
-    assert [a.name for a in ALGORITHMS["conv2d"]] == ["winograd", "direct"]
+    assert list(ALGORITHMS["conv2d"])[:3] == ["vendor", "winograd_f4x4", "im2col_gemm"]
     g, node = conv_graph((1, 64, 16, 16), (64, 64, 3, 3), "nhwc", padding=1)
     cpu = torch.device("cpu")
     fn, reason = vendor_call(g, node, cpu, Options(cache_dir=tmp_path), hardware())

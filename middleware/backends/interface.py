@@ -42,6 +42,8 @@ class Unit:
     # Destination-passing form, when the unit has one: ``out_fn(*inputs, *outputs)`` writes
     # into preallocated output tensors (generated kernels have it; the memory planner uses it).
     out_fn: Callable[..., None] | None = None
+    # The algorithm a vendor op runs as (backends/vendor/algorithms.py), "" for others.
+    algorithm: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.runs_as, RunsAs):

@@ -37,6 +37,7 @@ class Step:
     nodes: tuple[str, ...]
     frees: tuple[int, ...] = ()
     reason: str = ""
+    algorithm: str = ""  # a vendor op's algorithm (Unit.algorithm)
 
 
 class Plan:
@@ -232,6 +233,7 @@ def build_plan(
                 tuple(u.nodes),
                 tuple(frees_at.get(i, [])) + tuple(dead),
                 u.reason,
+                u.algorithm,
             )
         )
     for v in graph.output_values():

@@ -30,6 +30,9 @@ class ReportRow:
     source: str = ""
     flops: float = 0.0
     bytes: int = 0
+    # a conv2d/linear node's algorithm (backends/vendor/algorithms.py): "vendor",
+    # "winograd_f4x4", "im2col_gemm", a user's; "" for other nodes
+    algorithm: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +132,8 @@ class Report:
             g = "-" if r.group is None else str(r.group)
             lines.append(
                 f"{r.node[:32]:<32} {r.op[:20]:<20} {r.bound:<7} {g:>5} {r.runs_as:<9} "
-                f"{r.flops / 1e6:>9.2f} {r.bytes / 1e6:>7.2f}  {r.reason}"
+                f"{r.flops / 1e6:>9.2f} {r.bytes / 1e6:>7.2f}  "
+                f"{'[' + r.algorithm + '] ' if r.algorithm else ''}{r.reason}"
             )
         return "\n".join(lines)
 
@@ -247,6 +251,7 @@ def make_report(graph: Graph, plan: Any, hardware: Hardware | None = None) -> Re
                 source=n.source,
                 flops=flops,
                 bytes=nbytes,
+                algorithm=getattr(st, "algorithm", "") if st else "",
             )
         )
     notes = tuple(getattr(plan, "notes", ()))
@@ -259,5 +264,12 @@ def make_report(graph: Graph, plan: Any, hardware: Hardware | None = None) -> Re
             f"around the framework's batched GEMM ({', '.join(wino[:3])}"
             f"{', ...' if len(wino) > 3 else ''}); Options(winograd=False) keeps oneDNN's "
             "direct algorithm",
+        )
+    asked = [r for r in rows if "algorithms= asked for" in r.reason]
+    if asked:
+        notes += (
+            f"{len(asked)} layer(s) run the default algorithm instead of the one algorithms= "
+            f"named, which does not apply there ({', '.join(r.node for r in asked[:3])}"
+            f"{', ...' if len(asked) > 3 else ''}): see their rows",
         )
     return Report(tuple(rows), group_rows(graph, rows), notes)

@@ -1,14 +1,31 @@
-"""The algorithms of each op that has alternatives, by name, in the order they are tried.
+"""The algorithms of each op that has alternatives, as data, and the per-layer choice.
 
-An :class:`Algorithm` offers a callable for one node (the catalogue reference's arguments
-and result) or declines (None). :func:`vendor_call` takes the first offer of the node's
-op's table; a per-layer algorithm choice (by the user, or measured) picks a name from the
-same table instead of the order.
+An :class:`Algorithm` is a record: its name, an applicability predicate (``applies``:
+None where it can run the node, else the reason it cannot), its extra memory in bytes
+(``extra_bytes``: parameters and workspace beyond the direct vendor call's), whether it is
+exact (float rounding only) or approximate (with ``error_bound``: the largest
+``max|y - ref| / max|ref|`` measured against ``F.conv2d``), and ``build``, which returns
+the callable (the catalogue reference's arguments and result, epilogue included).
 
-conv2d: "winograd" (F(4x4,3x3): generated transforms around the framework's batched
-GEMM; CPU, where its measured rule picks the layer and ``Options(winograd=True)``), then
-"direct" (the vendor's direct convolution: oneDNN with a prepacked weight and fused
-post-ops on CPU, cuDNN on CUDA). linear: "direct" (oneDNN/MKL or cuBLAS).
+conv2d, built in (``ALGORITHMS["conv2d"]``):
+
+- ``vendor``: oneDNN's choice through PyTorch, with a prepacked weight and fused post-ops
+  (``calls.vendor_kernel``); the default.
+- ``winograd_f4x4``: Winograd F(4x4,3x3), generated transforms around the framework's
+  batched GEMM (``winograd.py``); approximate. The default picks it where
+  ``Options.winograd`` is on and its measured rule (``winograd.why_not``) says it is
+  faster; named in ``algorithms=`` it runs wherever it applies.
+- ``im2col_gemm``: the input's patches copied into a workspace (im2row: one row per output
+  pixel, columns (kh, kw, c)) and multiplied by the weight with the framework's GEMM
+  (``addmm``; ``bmm`` per group), then the residual add and the activation in place.
+
+linear: ``vendor`` only.
+
+:func:`choose` picks one algorithm per layer from ``Options.algorithms`` (a string, a
+list by layer index, or a callable on a :class:`Layer`; "default" lets the middleware
+decide); a named algorithm that does not apply falls back to the default with the reason.
+:func:`register_algorithm` adds a user's algorithm (a Python callable with
+``F.conv2d``'s signature), selectable by name like a built-in one.
 """
 
 from __future__ import annotations
@@ -17,62 +34,549 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
+from ...errors import OptionsError
 from ...graph import Graph, Node
 from ...hardware import Hardware
 from ...options import Options
-from .calls import vendor_kernel
-from .winograd import winograd_kernel
+from . import winograd as wg
+from .calls import _conv_geometry, activation_attrs, inplace_activation, vendor_kernel
 
-# (graph, node, device, options, hardware) -> (callable, what runs it) or None
-Offer = Callable[
-    [Graph, Node, torch.device, Options, Hardware], tuple[Callable[..., Any], str] | None
-]
+Kernel = Callable[..., Any]
+# (graph, node, device, options) -> None where the algorithm applies, else why not
+Applies = Callable[[Graph, Node, torch.device, Options], str | None]
+# (graph, node, device, options, hardware) -> the call, or None where building it failed
+Build = Callable[[Graph, Node, torch.device, Options, Hardware], Kernel | None]
+
+DEFAULT = "default"
+
+
+def _no_extra(graph: Graph, node: Node) -> int:
+    return 0
+
+
+def _always(graph: Graph, node: Node, device: torch.device, options: Options) -> str | None:
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-    """One way to compute an op: ``offer`` returns the call for a node, or None where this
-    algorithm does not apply (shape, device, dtype, options, a measured rule)."""
+    """One way to compute an op (see the module docstring)."""
 
     name: str
-    offer: Offer
+    op: str
+    applies: Applies
+    build: Build
+    extra_bytes: Callable[[Graph, Node], int] = _no_extra
+    exact: bool = True
+    error_bound: float | None = None  # approximate: measured max|y - ref| / max|ref|
+    description: str = ""
+    builtin: bool = True
 
 
-def _winograd(
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """What a selector callable and a user algorithm's predicate see of one layer."""
+
+    index: int  # the i-th layer of its op, in graph order
+    name: str
+    op: str
+    source: str
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    weight_shape: tuple[int, ...]
+    dtype: str
+    layout: str
+    stride: tuple[int, int] = (1, 1)
+    padding: tuple[int, int] = (0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+    bias: bool = False
+    residual: bool = False
+    activation: str | None = None
+
+
+def layer_of(graph: Graph, node: Node, index: int) -> Layer:
+    """The :class:`Layer` record of ``node``, the ``index``-th layer of its op."""
+    x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    w_t = graph.values[node.inputs[1]] if len(node.inputs) > 1 else None
+    residual = bool(node.attrs.get("residual", False))
+    geo: dict[str, Any] = {}
+    if node.op == "conv2d" and not isinstance(node.attrs["padding"], str):
+        padding, stride, dilation, groups = _conv_geometry(node)
+        geo = dict(
+            padding=tuple(padding), stride=tuple(stride), dilation=tuple(dilation), groups=groups
+        )
+    return Layer(
+        index=index,
+        name=node.name,
+        op=node.op,
+        source=node.source,
+        input_shape=tuple(x_t.shape),
+        output_shape=tuple(out_t.shape),
+        weight_shape=tuple(w_t.shape) if w_t is not None else (),
+        dtype=x_t.dtype,
+        layout=out_t.layout,
+        bias=len(node.inputs) - int(residual) == 3,
+        residual=residual,
+        activation=activation_attrs(node)[0],
+        **geo,
+    )
+
+
+# ------------------------------------------------------------------------ vendor
+def _vendor_applies(graph: Graph, node: Node, device: torch.device, options: Options) -> str | None:
+    return None  # vendor_kernel itself declines (the catalogue reference then runs)
+
+
+def _vendor_build(
     graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
-) -> tuple[Callable[..., Any], str] | None:
-    if not options.winograd or device.type != "cpu":
-        return None
-    fn = winograd_kernel(graph, node, options, hardware)
-    return None if fn is None else (fn, fn.algorithm)
+) -> Kernel | None:
+    return vendor_kernel(graph, node, device, hardware)
 
 
-def _direct(
+# ---------------------------------------------------------------------- winograd
+def _winograd_applies(
+    graph: Graph, node: Node, device: torch.device, options: Options
+) -> str | None:
+    if device.type != "cpu":
+        return f"x86 only, not {device.type}"
+    return wg.why_not_applicable(graph, node)
+
+
+def _winograd_build(
     graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
-) -> tuple[Callable[..., Any], str] | None:
-    fn = vendor_kernel(graph, node, device, hardware)
-    return None if fn is None else (fn, "")
+) -> Kernel | None:
+    return wg.winograd_kernel(graph, node, options, hardware, rule=False)
 
 
-WINOGRAD = Algorithm("winograd", _winograd)
-DIRECT = Algorithm("direct", _direct)
+# -------------------------------------------------------------------- im2col_gemm
+IM2COL_DTYPES = frozenset({"float32", "float64"})
+# Bytes of one chunk of the im2row workspace (whole samples per chunk, at least one).
+IM2COL_WORKSPACE_BYTES = 32 << 20
 
-# Per op, its algorithms in the order they are tried.
-ALGORITHMS: dict[str, tuple[Algorithm, ...]] = {
-    "conv2d": (WINOGRAD, DIRECT),
-    "linear": (DIRECT,),
+
+def _im2col_applies(graph: Graph, node: Node, device: torch.device, options: Options) -> str | None:
+    if node.op != "conv2d":
+        return "not a convolution"
+    if isinstance(node.attrs["padding"], str):
+        return "string padding"
+    x_t = graph.values[node.inputs[0]]
+    if x_t.rank != 4 or x_t.dtype not in IM2COL_DTYPES:
+        return f"not a float32/float64 4-d input ({x_t.dtype}, rank {x_t.rank})"
+    if node.inputs[1] not in graph.params:
+        return "weight is computed"
+    residual = bool(node.attrs.get("residual", False))
+    if len(node.inputs) - int(residual) == 3 and node.inputs[2] not in graph.params:
+        return "bias is computed"
+    return None
+
+
+def _im2col_sizes(graph: Graph, node: Node) -> tuple[int, int]:
+    """(bytes of one sample's im2row rows, samples per workspace chunk)."""
+    x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    w_t = graph.values[node.inputs[1]]
+    per_sample = out_t.shape[2] * out_t.shape[3] * x_t.shape[1] * w_t.shape[2] * w_t.shape[3]
+    per_sample *= np.dtype(x_t.dtype).itemsize
+    return per_sample, max(1, IM2COL_WORKSPACE_BYTES // max(1, per_sample))
+
+
+def _im2col_extra(graph: Graph, node: Node) -> int:
+    """The workspace of one call at the graph's batch, plus the zero-padded input copy."""
+    x_t = graph.values[node.inputs[0]]
+    per_sample, chunk = _im2col_sizes(graph, node)
+    (ph, pw), _, _, _ = _conv_geometry(node)
+    n, c, h, w = x_t.shape
+    padded = n * c * (h + 2 * ph) * (w + 2 * pw) * np.dtype(x_t.dtype).itemsize
+    return per_sample * min(n, chunk) + padded
+
+
+def _im2col_build(
+    graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
+) -> Kernel | None:
+    return im2col_kernel(graph, node)
+
+
+def im2col_kernel(graph: Graph, node: Node) -> Kernel:
+    """conv2d (+bias, +residual, +activation) as im2row into a workspace and the
+    framework's GEMM: ``y[n, oh, ow, :] = rows[n, oh, ow, (kh, kw, c)] @ W[(kh, kw, c), k]
+    + bias``, written NHWC (a channels_last result; a contiguous copy where the node's
+    output is "nchw"), then the residual add and the activation in place. Grouped
+    convolutions run one GEMM per group (``bmm``). Never writes into its inputs."""
+    x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    c, h, w = x_t.shape[1], x_t.shape[2], x_t.shape[3]
+    k, oh, ow = out_t.shape[1], out_t.shape[2], out_t.shape[3]
+    (ph, pw), (sh, sw), (dh, dw), groups = _conv_geometry(node)
+    dtype = getattr(torch, x_t.dtype)
+    weight = torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[1]])).to(dtype)
+    kh, kw = weight.shape[2], weight.shape[3]
+    cg, kg = c // groups, k // groups
+    cols = kh * kw * cg
+    # [G][(kh, kw, cg)][kg]: the rows of W in the workspace's column order
+    wmat = (
+        weight.reshape(groups, kg, cg, kh, kw).permute(0, 3, 4, 2, 1).reshape(groups, cols, kg)
+    ).contiguous()
+    residual = bool(node.attrs.get("residual", False))
+    has_bias = len(node.inputs) - int(residual) == 3
+    bias = (
+        torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[2]])).to(dtype)
+        if has_bias
+        else None
+    )
+    name, attrs = activation_attrs(node)
+    act = inplace_activation(name, attrs)
+    _, chunk = _im2col_sizes(graph, node)
+    nchw_out = out_t.layout != "nhwc"
+
+    def conv_im2col(x, _w, *rest):
+        nb = x.shape[0]
+        xp = torch.zeros((nb, h + 2 * ph, w + 2 * pw, c), dtype=dtype)
+        xp[:, ph : ph + h, pw : pw + w].copy_(x.permute(0, 2, 3, 1))
+        s_n, s_h, s_w, s_c = xp.stride()
+        y = torch.empty((nb, oh, ow, k), dtype=dtype)
+        per = min(nb, chunk)
+        ws = torch.empty(groups * per * oh * ow * cols, dtype=dtype)
+        for n0 in range(0, nb, per):
+            m = min(per, nb - n0)
+            rows = m * oh * ow
+            patches = xp.as_strided(
+                (m, oh, ow, kh, kw, groups, cg),
+                (s_n, s_h * sh, s_w * sw, s_h * dh, s_w * dw, cg * s_c, s_c),
+                n0 * s_n,
+            )
+            out = y[n0 : n0 + m].view(rows, k)
+            if groups == 1:
+                a = ws[: rows * cols].view(m, oh, ow, kh, kw, 1, cg)
+                a.copy_(patches)
+                a2 = a.view(rows, cols)
+                if bias is None:
+                    torch.mm(a2, wmat[0], out=out)
+                else:
+                    torch.addmm(bias, a2, wmat[0], out=out)
+            else:
+                a = ws[: groups * rows * cols].view(groups, m, oh, ow, kh, kw, cg)
+                a.copy_(patches.permute(5, 0, 1, 2, 3, 4, 6))
+                prod = torch.bmm(a.view(groups, rows, cols), wmat)  # [G][rows][kg]
+                out.view(rows, groups, kg).copy_(prod.permute(1, 0, 2))
+                if bias is not None:
+                    out.add_(bias)
+        yt = y.permute(0, 3, 1, 2)  # channels_last
+        if residual:
+            yt.add_(rest[-1])
+        if act is not None:
+            yt = act(yt)
+        return yt.contiguous() if nchw_out else yt
+
+    def workspace(n: int) -> int:
+        per_sample, ch = _im2col_sizes(graph, node)
+        padded = n * c * (h + 2 * ph) * (w + 2 * pw) * np.dtype(x_t.dtype).itemsize
+        return per_sample * min(n, ch) + padded
+
+    conv_im2col.workspace_bytes = workspace  # type: ignore[attr-defined]
+    return conv_im2col
+
+
+# ----------------------------------------------------------------- the tables
+VENDOR = Algorithm(
+    "vendor",
+    "conv2d",
+    _vendor_applies,
+    _vendor_build,
+    description="oneDNN's choice through PyTorch: prepacked weight, fused post-ops",
+)
+WINOGRAD_F4X4 = Algorithm(
+    "winograd_f4x4",
+    "conv2d",
+    _winograd_applies,
+    _winograd_build,
+    wg.extra_bytes,
+    exact=False,
+    # tests/test_winograd.py: about 1e-5 of the output's scale measured per layer; the
+    # bound the tests hold it to
+    error_bound=1e-4,
+    description="Winograd F(4x4,3x3): generated transforms around the framework's GEMM",
+)
+IM2COL_GEMM = Algorithm(
+    "im2col_gemm",
+    "conv2d",
+    _im2col_applies,
+    _im2col_build,
+    _im2col_extra,
+    description="im2row of the input into a workspace, then the framework's GEMM",
+)
+LINEAR_VENDOR = dataclasses.replace(
+    VENDOR, op="linear", description="oneDNN/MKL (packed where measured faster) or F.linear"
+)
+
+# Per op, its algorithms by name; the first is the default's fallback.
+ALGORITHMS: dict[str, dict[str, Algorithm]] = {
+    "conv2d": {a.name: a for a in (VENDOR, WINOGRAD_F4X4, IM2COL_GEMM)},
+    "linear": {LINEAR_VENDOR.name: LINEAR_VENDOR},
 }
+
+
+def algorithm_names(op: str) -> list[str]:
+    """The names ``algorithms=`` takes for ``op``: "default" and every registered one."""
+    return [DEFAULT, *ALGORITHMS.get(op, {})]
+
+
+# A user algorithm's call: F.conv2d's signature (x, weight, bias, stride, padding,
+# dilation, groups) -> conv(x) + bias; the middleware adds the residual and the activation.
+ConvFn = Callable[..., torch.Tensor]
+
+
+def register_algorithm(
+    op: str,
+    name: str,
+    fn: ConvFn,
+    *,
+    applies: Callable[[Layer], str | None] | None = None,
+    exact: bool = True,
+    error_bound: float | None = None,
+    extra_bytes: Callable[[Layer], int] | None = None,
+    description: str = "",
+    replace: bool = False,
+) -> Algorithm:
+    """Add algorithm ``name`` for ``op`` (conv2d), selectable by name in
+    ``optimize(..., algorithms={op: name})``.
+
+    ``fn(x, weight, bias, stride, padding, dilation, groups)`` computes ``conv(x) + bias``
+    on tensors like ``F.conv2d`` (``bias`` may be None; weight and bias are the layer's
+    constants, converted once); the middleware adds the residual and applies the fused
+    activation after it and returns the node's layout. ``applies(layer)`` returns None
+    where ``fn`` can run the :class:`Layer`, else the reason (the default then runs that
+    layer and the report says why). ``replace`` allows redefining a user algorithm; a
+    built-in one cannot be replaced."""
+    if op != "conv2d":
+        raise OptionsError(f"register_algorithm: only conv2d takes user algorithms, not {op!r}")
+    if not name or name == DEFAULT:
+        raise OptionsError(f"register_algorithm: {name!r} is not a valid algorithm name")
+    table = ALGORITHMS[op]
+    old = table.get(name)
+    if old is not None and (old.builtin or not replace):
+        raise OptionsError(
+            f"algorithm {name!r} for {op} exists already"
+            + (" (built in)" if old.builtin else "; pass replace=True to redefine it")
+        )
+    if not exact and error_bound is None:
+        raise OptionsError(f"algorithm {name!r} is approximate: give its error_bound")
+
+    def index_of(graph: Graph, node: Node) -> Layer:
+        return layer_of(graph, node, layer_indices(graph, op).get(node.name, -1))
+
+    def user_applies(
+        graph: Graph, node: Node, device: torch.device, options: Options
+    ) -> str | None:
+        why = _im2col_applies(graph, node, device, options)  # constant weight, numeric padding
+        if why is None and applies is not None:
+            why = applies(index_of(graph, node))
+        return why
+
+    def user_build(
+        graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
+    ) -> Kernel | None:
+        return python_kernel(graph, node, device, fn)
+
+    def user_extra(graph: Graph, node: Node) -> int:
+        return 0 if extra_bytes is None else int(extra_bytes(index_of(graph, node)))
+
+    algorithm = Algorithm(
+        name, op, user_applies, user_build, user_extra, exact, error_bound, description, False
+    )
+    table[name] = algorithm
+    return algorithm
+
+
+def unregister_algorithm(op: str, name: str) -> None:
+    """Remove user algorithm ``name`` of ``op`` (built-in ones stay)."""
+    old = ALGORITHMS.get(op, {}).get(name)
+    if old is not None and old.builtin:
+        raise OptionsError(f"algorithm {name!r} for {op} is built in and cannot be removed")
+    ALGORITHMS.get(op, {}).pop(name, None)
+
+
+def python_kernel(graph: Graph, node: Node, device: torch.device, fn: ConvFn) -> Kernel:
+    """A user's ``F.conv2d``-like ``fn`` as the node's call: constants converted once,
+    then the residual add and the activation, in the node's output layout."""
+    x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    dtype = getattr(torch, x_t.dtype)
+    padding, stride, dilation, groups = _conv_geometry(node)
+    weight = torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[1]])).to(device, dtype)
+    residual = bool(node.attrs.get("residual", False))
+    has_bias = len(node.inputs) - int(residual) == 3
+    bias = (
+        torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[2]])).to(device, dtype)
+        if has_bias
+        else None
+    )
+    name, attrs = activation_attrs(node)
+    act = inplace_activation(name, attrs)
+    fmt = torch.channels_last if out_t.layout == "nhwc" else torch.contiguous_format
+
+    def conv_user(x, _w, *rest):
+        y = fn(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
+        y = y.contiguous(memory_format=fmt)
+        if y.data_ptr() == x.data_ptr():
+            y = y.clone(memory_format=fmt)  # never hand back (and then overwrite) an input
+        if residual:
+            y = y.add_(rest[-1])
+        return y if act is None else act(y)
+
+    return conv_user
+
+
+# -------------------------------------------------------------------- the choice
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The call chosen for one layer, the algorithm's name and the reason for the report
+    ("" where the default vendor call runs and nothing else was asked for)."""
+
+    fn: Kernel
+    algorithm: str
+    reason: str
+
+
+def layer_indices(graph: Graph, op: str) -> dict[str, int]:
+    """Node name -> its index among the nodes of ``op``, in graph order."""
+    return {n.name: i for i, n in enumerate(x for x in graph.nodes() if x.op == op)}
+
+
+def check_selection(algorithms: Any) -> None:
+    """Raise :class:`OptionsError` for an unknown op or name in ``Options.algorithms`` (a
+    callable's answers are checked per layer, when it is asked)."""
+    for op, sel in algorithms or ():
+        if op not in ALGORITHMS:
+            raise OptionsError(
+                f"algorithms={{{op!r}: ...}}: no algorithms for op {op!r}; ops with "
+                f"algorithms: {', '.join(sorted(ALGORITHMS))}"
+            )
+        if isinstance(sel, str):
+            _lookup(op, sel)
+        elif isinstance(sel, tuple):
+            for name in sel:
+                _lookup(op, name)
+        elif not callable(sel):
+            raise OptionsError(
+                f"algorithms[{op!r}] is {type(sel).__name__}: use a name, a list of names "
+                "(one per layer) or a callable (layer) -> name"
+            )
+
+
+def _lookup(op: str, name: Any) -> Algorithm | None:
+    """The algorithm ``name`` of ``op``; None for "default"; OptionsError when unknown."""
+    if name == DEFAULT:
+        return None
+    table = ALGORITHMS.get(op, {})
+    if not isinstance(name, str) or name not in table:
+        raise OptionsError(
+            f"unknown {op} algorithm {name!r}; known: {', '.join(algorithm_names(op))}"
+        )
+    return table[name]
+
+
+def requested(options: Options, graph: Graph, node: Node, index: int) -> str:
+    """The name ``options.algorithms`` asks for at ``node`` ("default" where it says nothing)."""
+    sel = dict(options.algorithms or ()).get(node.op)
+    if sel is None:
+        return DEFAULT
+    if isinstance(sel, str):
+        return sel
+    if isinstance(sel, tuple):
+        n_layers = len(layer_indices(graph, node.op))
+        if len(sel) != n_layers:
+            raise OptionsError(
+                f"algorithms[{node.op!r}] lists {len(sel)} names but the model has "
+                f"{n_layers} {node.op} layers (in graph order; 'default' lets the "
+                "middleware decide one)"
+            )
+        return sel[index]
+    name = sel(layer_of(graph, node, index))
+    return DEFAULT if name is None else name
+
+
+def default_choice(
+    graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
+) -> Choice | None:
+    """The middleware's own choice: conv2d as Winograd where ``options.winograd`` is on and
+    its measured rule picks the layer, else the vendor call; None where nothing offers a
+    call (the catalogue reference runs)."""
+    if node.op == "conv2d" and options.winograd and device.type == "cpu":
+        fn = wg.winograd_kernel(graph, node, options, hardware)
+        if fn is not None:
+            return Choice(fn, WINOGRAD_F4X4.name, fn.algorithm)
+    if node.op not in ALGORITHMS:
+        return None
+    fn = vendor_kernel(graph, node, device, hardware)
+    return None if fn is None else Choice(fn, VENDOR.name, "")
+
+
+def choose(
+    graph: Graph,
+    node: Node,
+    device: torch.device,
+    options: Options,
+    hardware: Hardware,
+    index: int | None = None,
+) -> Choice | None:
+    """The call for ``node`` by ``options.algorithms``: the named algorithm where it
+    applies (and builds), else the default with the reason; None where no algorithm
+    offers a call. ``index``: the node's position among its op's nodes (computed when
+    not given). Unknown names raise :class:`OptionsError` listing the known ones."""
+    if node.op not in ALGORITHMS:
+        return None
+    if index is None:
+        index = layer_indices(graph, node.op).get(node.name, 0)
+    name = requested(options, graph, node, index)
+    algorithm = _lookup(node.op, name)
+    if algorithm is None:
+        return default_choice(graph, node, device, options, hardware)
+    why = algorithm.applies(graph, node, device, options)
+    if why is None:
+        fn = algorithm.build(graph, node, device, options, hardware)
+        if fn is not None:
+            detail = getattr(fn, "algorithm", "")
+            return Choice(fn, name, f"{detail or name}, chosen by algorithms=")
+        why = "it declined (or failed to build) this layer"
+    fallback = default_choice(graph, node, device, options, hardware)
+    if fallback is None:
+        return None
+    note = f"algorithms= asked for {name}, which does not apply: {why}; the default runs"
+    reason = f"{fallback.reason}; {note}" if fallback.reason else note
+    return Choice(fallback.fn, fallback.algorithm, reason)
 
 
 def vendor_call(
     graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
 ) -> tuple[Callable[..., Any], str] | None:
-    """The call of the first algorithm of ``node.op`` that offers one, with the reason the
-    report shows ("" for the vendor's direct call), or None (the catalogue reference runs)."""
-    for algorithm in ALGORITHMS.get(node.op, ()):
-        offer = algorithm.offer(graph, node, device, options, hardware)
-        if offer is not None:
-            return offer
-    return None
+    """The call :func:`choose` picks for ``node`` with the reason the report shows ("" for
+    the vendor's direct call by default), or None (the catalogue reference runs)."""
+    choice = choose(graph, node, device, options, hardware)
+    return None if choice is None else (choice.fn, choice.reason)
+
+
+def describe(op: str = "conv2d") -> list[str]:
+    """One line per algorithm of ``op``: name, exact or its error bound, description."""
+    lines = []
+    for a in ALGORITHMS.get(op, {}).values():
+        kind = "exact" if a.exact else f"approximate (error <= {a.error_bound:g} of scale)"
+        lines.append(f"{a.name}: {kind}; {a.description}")
+    return lines
+
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT",
+    "Algorithm",
+    "Choice",
+    "Layer",
+    "algorithm_names",
+    "check_selection",
+    "choose",
+    "im2col_kernel",
+    "layer_of",
+    "register_algorithm",
+    "unregister_algorithm",
+    "vendor_call",
+]

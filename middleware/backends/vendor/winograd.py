@@ -107,8 +107,11 @@ def chunk_tiles(c: int, k: int, tiles: int) -> int:
     return max(1, min(tiles, max(MIN_CHUNK_TILES, WORKSPACE_BYTES // per_tile)))
 
 
-def why_not(graph: Graph, node: Node) -> str | None:
-    """None when ``node`` runs faster as Winograd by the measured rule, else why not."""
+def why_not_applicable(graph: Graph, node: Node) -> str | None:
+    """None when the transforms can compute ``node`` at all (whether or not the measured
+    rule would pick it), else why not: a 3x3, stride-1, undilated, ungrouped float32
+    convolution in channels_last with channels a multiple of the SIMD block, padding at
+    most 2 and constant weights."""
     if node.op != "conv2d":
         return "not a convolution"
     a = node.attrs
@@ -128,16 +131,38 @@ def why_not(graph: Graph, node: Node) -> str | None:
     if not (0 <= ph <= 2 and 0 <= pw <= 2):
         return f"padding {(ph, pw)} beyond 2"
     c, k = x_t.shape[1], out_t.shape[1]
-    if min(c, k) < MIN_CHANNELS or c % CHANNEL_MULTIPLE or k % CHANNEL_MULTIPLE:
-        return f"{c}->{k} channels (the rule wants >= {MIN_CHANNELS}, multiples of 16)"
-    if out_t.shape[0] * out_t.shape[2] * out_t.shape[3] < MIN_PIXELS:
-        return f"fewer than {MIN_PIXELS} output pixels (weights 4x for little time)"
+    if c % CHANNEL_MULTIPLE or k % CHANNEL_MULTIPLE:
+        return f"{c}->{k} channels (the transforms want multiples of {CHANNEL_MULTIPLE})"
     if node.inputs[1] not in graph.params:
         return "weight is computed"
     residual = bool(a.get("residual", False))
     if len(node.inputs) - int(residual) == 3 and node.inputs[2] not in graph.params:
         return "bias is computed"
     return None
+
+
+def why_not(graph: Graph, node: Node) -> str | None:
+    """None when ``node`` runs faster as Winograd by the measured rule, else why not (the
+    default's choice; :func:`why_not_applicable` says whether it can run at all)."""
+    reason = why_not_applicable(graph, node)
+    if reason is not None:
+        return reason
+    x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    c, k = x_t.shape[1], out_t.shape[1]
+    if min(c, k) < MIN_CHANNELS:
+        return f"{c}->{k} channels (the rule wants >= {MIN_CHANNELS}, multiples of 16)"
+    if out_t.shape[0] * out_t.shape[2] * out_t.shape[3] < MIN_PIXELS:
+        return f"fewer than {MIN_PIXELS} output pixels (weights 4x for little time)"
+    return None
+
+
+def extra_bytes(graph: Graph, node: Node) -> int:
+    """Bytes held beyond the direct call's: ``U`` (36 values per channel pair, 4x the
+    weight) plus the workspace of one call (V + M of a chunk of tiles)."""
+    x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    c, k = x_t.shape[1], out_t.shape[1]
+    n, oh, ow = out_t.shape[0], out_t.shape[2], out_t.shape[3]
+    return 36 * 4 * c * k + 36 * 4 * (c + k) * chunk_tiles(c, k, tiles_of(n, oh, ow))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,12 +242,15 @@ def prebuild(graph: Graph, options: Options, hardware: Hardware) -> threading.Th
     return t
 
 
-def winograd_kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Any | None:
+def winograd_kernel(
+    graph: Graph, node: Node, options: Options, hardware: Hardware, rule: bool = True
+) -> Any | None:
     """The Winograd call for ``node`` (same arguments and result as the vendor conv:
     ``fn(x, w[, b][, residual])`` -> a new channels_last tensor, with ``into_residual``),
-    or None where the rule says oneDNN's direct call is faster, or the transforms failed
-    to compile (warned; ``options.strict`` raises)."""
-    if why_not(graph, node) is not None:
+    or None where it does not apply, where ``rule`` is on and the measured rule says
+    oneDNN's direct call is faster, or where the transforms failed to compile (warned;
+    ``options.strict`` raises). ``rule=False``: a layer chosen by name (``algorithms=``)."""
+    if (why_not if rule else why_not_applicable)(graph, node) is not None:
         return None
     ep = _epilogue(node)
     residual, has_bias = ep.residual, ep.bias

@@ -1,0 +1,285 @@
+"""conv2d's algorithms as data and the per-layer choice (backends/vendor/algorithms.py).
+
+Every numerical case runs seeded random inputs and compares against PyTorch (``F.conv2d``
+and the epilogue, or the original module) with a tolerance relative to the output's scale:
+``im2col_gemm`` and a user's algorithm are exact up to float rounding (2e-5 of the scale);
+Winograd is held to its recorded error bound (1e-4, as in tests/test_winograd.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fusion_helpers import conv_graph, hardware
+
+import middleware
+from middleware.backends.vendor import ALGORITHMS
+from middleware.backends.vendor import algorithms as alg
+from middleware.backends.vendor import winograd as wg
+from middleware.errors import OptionsError
+from middleware.ops import get_op
+from middleware.options import Options
+
+CL = torch.channels_last
+CPU = torch.device("cpu")
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, tol: float = 2e-5) -> None:
+    scale = max(1e-12, float(ref.abs().max()))
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol * scale)
+
+
+def _inputs(g, layout: str, seed: int = 1) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    fmt = CL if layout == "nhwc" else torch.contiguous_format
+    args = [torch.randn(g.values["x"].shape).contiguous(memory_format=fmt)]
+    args.append(torch.from_numpy(g.params["w"]))
+    if "b" in g.params:
+        args.append(torch.from_numpy(g.params["b"]))
+    if "r" in g.values:
+        args.append(torch.randn(g.values["r"].shape).contiguous(memory_format=fmt))
+    return args
+
+
+# (x shape, weight shape, conv attrs): odd sizes, strides, padding, dilation, groups
+SHAPES = [
+    ((2, 3, 13, 11), (8, 3, 3, 3), dict(padding=1)),
+    ((1, 5, 9, 10), (7, 5, 1, 1), {}),
+    ((2, 6, 15, 12), (4, 6, 5, 3), dict(stride=(2, 1), padding=(2, 1))),
+    ((1, 4, 17, 14), (6, 4, 3, 3), dict(dilation=2, padding=2, stride=3)),
+    ((2, 8, 10, 9), (12, 4, 3, 3), dict(groups=2, padding=1)),
+    ((1, 16, 11, 7), (16, 1, 3, 3), dict(groups=16, padding=1, stride=2)),  # depthwise
+    ((3, 3, 7, 7), (5, 3, 7, 7), dict(padding=3)),  # a 7x7 stem
+]
+EPILOGUES = [
+    dict(),
+    dict(bias=False),
+    dict(activation="relu"),
+    dict(activation="gelu", activation_attrs=(("approximate", "none"),), residual=True),
+    dict(activation="hardtanh", activation_attrs=(("min_val", -0.5), ("max_val", 0.5))),
+]
+
+
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+@pytest.mark.parametrize("ep", range(len(EPILOGUES)))
+@pytest.mark.parametrize("case", range(len(SHAPES)))
+def test_im2col_gemm_matches_pytorch(case, ep, layout):
+    xs, ws, kw = SHAPES[case]
+    g, node = conv_graph(xs, ws, layout, **kw, **EPILOGUES[ep])
+    assert alg.IM2COL_GEMM.applies(g, node, CPU, Options()) is None
+    fn = alg.IM2COL_GEMM.build(g, node, CPU, Options(), hardware())
+    args = _inputs(g, layout)
+    before = [a.clone() for a in args]
+    y = fn(*args)
+    for a, b in zip(args, before, strict=True):
+        assert torch.equal(a, b), "im2col_gemm wrote into an input"
+    _close(y, get_op("conv2d").bind(node)(*args))
+    fmt = CL if layout == "nhwc" else torch.contiguous_format
+    assert y.is_contiguous(memory_format=fmt)
+
+
+def test_im2col_gemm_equals_f_conv2d_and_chunks_the_batch(monkeypatch):
+    """A plain conv straight against F.conv2d, with a workspace of one sample per chunk."""
+    monkeypatch.setattr(alg, "IM2COL_WORKSPACE_BYTES", 1)
+    g, node = conv_graph((3, 6, 12, 10), (9, 6, 3, 3), "nhwc", stride=2, padding=1)
+    x = torch.randn(3, 6, 12, 10)
+    w, b = torch.from_numpy(g.params["w"]), torch.from_numpy(g.params["b"])
+    y = alg.im2col_kernel(g, node)(x, w, b)
+    _close(y, F.conv2d(x, w, b, 2, 1))
+    per_sample, padded = 6 * 5 * 6 * 9 * 4, 3 * 6 * 14 * 12 * 4  # rows of one sample; x padded
+    assert alg.im2col_kernel(g, node).workspace_bytes(3) == per_sample + padded
+
+
+def test_records_say_exactness_memory_and_reasons():
+    table = ALGORITHMS["conv2d"]
+    assert list(table)[:3] == ["vendor", "winograd_f4x4", "im2col_gemm"]
+    assert table["vendor"].exact and table["im2col_gemm"].exact
+    assert not table["winograd_f4x4"].exact and table["winograd_f4x4"].error_bound == 1e-4
+    g, node = conv_graph((2, 64, 16, 16), (64, 64, 3, 3), "nhwc", padding=1)
+    assert table["vendor"].extra_bytes(g, node) == 0
+    assert table["winograd_f4x4"].extra_bytes(g, node) >= 36 * 4 * 64 * 64  # U: 4x the weight
+    assert table["im2col_gemm"].extra_bytes(g, node) >= 2 * 16 * 16 * 64 * 9 * 4
+    g1, n1 = conv_graph((1, 64, 8, 8), (64, 64, 1, 1), "nhwc")
+    assert "not 3x3" in table["winograd_f4x4"].applies(g1, n1, CPU, Options())
+    assert table["winograd_f4x4"].applies(g1, n1, torch.device("cuda"), Options())
+
+
+# ----------------------------------------------------------------- through optimize
+class _Net(nn.Module):
+    """A strided stem, a 3x3 conv (Winograd applies, its rule refuses: 32 channels), a 1x1
+    conv with a residual, a depthwise conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, stride=2, padding=1)
+        self.c1 = nn.Conv2d(32, 32, 3, padding=1)
+        self.c2 = nn.Conv2d(32, 32, 1)
+        self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.stem(x))
+        y = torch.relu(self.c1(x))
+        return self.dw(torch.relu(self.c2(y) + x))
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    m = _Net()
+    with torch.no_grad():  # keep the activations' variance through the layers
+        for conv in (m.stem, m.c1, m.c2, m.dw):
+            nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")
+            conv.bias.uniform_(-0.1, 0.1)
+    return m.eval()
+
+
+def _run(tmp_path, **opts):
+    m = _net()
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 18, 14)
+    opt = middleware.optimize(m, example_inputs=[x], cache_dir=tmp_path, **opts)
+    with torch.inference_mode():
+        ref = m(x)
+    return opt, opt(x), ref
+
+
+def _conv_rows(opt):
+    return [r for r in opt.report().rows if r.op == "conv2d"]
+
+
+def test_default_rows_say_vendor(tmp_path):
+    opt, y, ref = _run(tmp_path)
+    _close(y, ref)
+    rows = _conv_rows(opt)
+    assert len(rows) == 4 and {r.algorithm for r in rows} == {"vendor"}
+
+
+@pytest.mark.parametrize("layout", ["auto", "nchw"])
+def test_one_name_for_every_layer(tmp_path, layout):
+    opt, y, ref = _run(tmp_path, algorithms={"conv2d": "im2col_gemm"}, layout=layout)
+    _close(y, ref)
+    rows = _conv_rows(opt)
+    assert [r.algorithm for r in rows] == ["im2col_gemm"] * 4
+    assert all("chosen by algorithms=" in r.reason for r in rows)
+    assert "[im2col_gemm]" in opt.report().verbose()
+
+
+def test_a_list_by_layer_and_default(tmp_path):
+    sel = ["vendor", "im2col_gemm", "default", "im2col_gemm"]
+    opt, y, ref = _run(tmp_path, algorithms={"conv2d": sel})
+    _close(y, ref)
+    assert [r.algorithm for r in _conv_rows(opt)] == [
+        "vendor",
+        "im2col_gemm",
+        "vendor",
+        "im2col_gemm",
+    ]
+
+
+def test_a_callable_sees_each_layer(tmp_path):
+    seen = []
+
+    def sel(layer: middleware.Layer) -> str:
+        seen.append((layer.index, layer.weight_shape, layer.groups, layer.stride))
+        return "im2col_gemm" if layer.weight_shape[2:] == (1, 1) else "default"
+
+    opt, y, ref = _run(tmp_path, algorithms={"conv2d": sel})
+    _close(y, ref)
+    assert [r.algorithm for r in _conv_rows(opt)] == ["vendor", "vendor", "im2col_gemm", "vendor"]
+    assert sorted(seen) == [
+        (0, (32, 3, 3, 3), 1, (2, 2)),
+        (1, (32, 32, 3, 3), 1, (1, 1)),
+        (2, (32, 32, 1, 1), 1, (1, 1)),
+        (3, (32, 1, 3, 3), 32, (1, 1)),
+    ]
+
+
+def test_inapplicable_name_falls_back_with_the_reason(tmp_path):
+    """winograd_f4x4 named for every layer: it runs where it applies (c1, although its
+    measured rule and winograd=False would not pick it), the default elsewhere, each row
+    saying why."""
+    opt, y, ref = _run(tmp_path, algorithms={"conv2d": "winograd_f4x4"}, winograd=False)
+    _close(y, ref, tol=1e-4)
+    rows = _conv_rows(opt)
+    assert [r.algorithm for r in rows] == ["vendor", "winograd_f4x4", "vendor", "vendor"]
+    assert rows[1].reason.startswith("winograd")
+    for r, why in zip(
+        [rows[0], rows[2], rows[3]], ["not channels_last", "not 3x3", "grouped"], strict=True
+    ):
+        assert "algorithms= asked for winograd_f4x4, which does not apply" in r.reason
+        assert why in r.reason
+    assert any("instead of the one algorithms= named" in n for n in opt.report().notes)
+
+
+def test_unknown_names_are_a_clear_error(tmp_path):
+    m, x = _net(), torch.randn(1, 3, 8, 8)
+    with pytest.raises(OptionsError, match="known: default, vendor, winograd_f4x4, im2col_gemm"):
+        middleware.optimize(m, example_inputs=[x], cache_dir=tmp_path, algorithms={"conv2d": "fft"})
+    with pytest.raises(OptionsError, match="unknown conv2d algorithm 'nope'"):
+        middleware.optimize(m, cache_dir=tmp_path, algorithms={"conv2d": ["vendor", "nope"]})
+    with pytest.raises(OptionsError, match="no algorithms for op 'pool'"):
+        middleware.optimize(m, cache_dir=tmp_path, algorithms={"pool": "vendor"})
+    with pytest.raises(OptionsError, match="lists 2 names but the model has 4 conv2d"):
+        middleware.optimize(
+            m, example_inputs=[x], cache_dir=tmp_path, algorithms={"conv2d": ["vendor"] * 2}
+        )
+    with pytest.raises(OptionsError, match="unknown conv2d algorithm 'fast'"):
+        middleware.optimize(
+            m, example_inputs=[x], cache_dir=tmp_path, algorithms={"conv2d": lambda layer: "fast"}
+        )
+
+
+@pytest.fixture
+def user_algorithm():
+    calls = []
+
+    def my_conv(x, weight, bias, stride, padding, dilation, groups):
+        calls.append(tuple(weight.shape))
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    def applies(layer: middleware.Layer) -> str | None:
+        return None if layer.groups == 1 else f"groups={layer.groups}: my_conv is dense only"
+
+    middleware.register_algorithm("conv2d", "my_conv", my_conv, applies=applies)
+    yield calls
+    middleware.unregister_algorithm("conv2d", "my_conv")
+
+
+def test_a_user_algorithm_is_selectable_like_a_built_in(tmp_path, user_algorithm):
+    opt, y, ref = _run(tmp_path, algorithms={"conv2d": "my_conv"})
+    _close(y, ref)
+    rows = _conv_rows(opt)
+    assert [r.algorithm for r in rows] == ["my_conv"] * 3 + ["vendor"]
+    assert "groups=32: my_conv is dense only" in rows[3].reason
+    assert sorted(set(user_algorithm)) == [(32, 3, 3, 3), (32, 32, 1, 1), (32, 32, 3, 3)]
+    with pytest.raises(OptionsError, match="exists already"):
+        middleware.register_algorithm("conv2d", "my_conv", F.conv2d)
+    with pytest.raises(OptionsError, match="built in"):
+        middleware.register_algorithm("conv2d", "vendor", F.conv2d, replace=True)
+
+
+def test_a_user_algorithm_matches_pytorch_on_every_shape(user_algorithm):
+    for xs, ws, kw in SHAPES:
+        for ep in EPILOGUES:
+            g, node = conv_graph(xs, ws, "nhwc", **kw, **ep)
+            algorithm = ALGORITHMS["conv2d"]["my_conv"]
+            why = algorithm.applies(g, node, CPU, Options())
+            if kw.get("groups", 1) != 1:
+                assert why is not None and "dense only" in why
+                continue
+            fn = algorithm.build(g, node, CPU, Options(), hardware())
+            args = _inputs(g, "nhwc")
+            _close(fn(*args), get_op("conv2d").bind(node)(*args))
+
+
+def test_winograd_explicit_ignores_the_rule_only(monkeypatch, tmp_path):
+    monkeypatch.setattr(wg, "MIN_PIXELS", 10**9)  # the rule never picks it
+    g, node = conv_graph((1, 32, 9, 7), (48, 32, 3, 3), "nhwc", padding=1, activation="relu")
+    opts = Options(cache_dir=tmp_path, algorithms={"conv2d": "winograd_f4x4"})
+    choice = alg.choose(g, node, CPU, opts, hardware())
+    assert choice is not None and choice.algorithm == "winograd_f4x4"
+    args = _inputs(g, "nhwc")
+    _close(choice.fn(*args), get_op("conv2d").bind(node)(*args), tol=1e-4)
+    default = alg.choose(g, node, CPU, Options(cache_dir=tmp_path), hardware())
+    assert default is not None and default.algorithm == "vendor" and default.reason == ""
