@@ -214,7 +214,9 @@ def test_inapplicable_name_falls_back_with_the_reason(tmp_path):
 
 def test_unknown_names_are_a_clear_error(tmp_path):
     m, x = _net(), torch.randn(1, 3, 8, 8)
-    with pytest.raises(OptionsError, match="known: default, vendor, winograd_f4x4, im2col_gemm"):
+    with pytest.raises(
+        OptionsError, match="known: default, autotune, vendor, winograd_f4x4, im2col_gemm"
+    ):
         middleware.optimize(m, example_inputs=[x], cache_dir=tmp_path, algorithms={"conv2d": "fft"})
     with pytest.raises(OptionsError, match="unknown conv2d algorithm 'nope'"):
         middleware.optimize(m, cache_dir=tmp_path, algorithms={"conv2d": ["vendor", "nope"]})

@@ -40,7 +40,10 @@ import torch
 from ...errors import OptionsError
 from ...graph import Graph, Node
 from ...hardware import Hardware
+from ...ops import get_op
 from ...options import Options
+from ...version import __version__
+from . import tuning
 from . import winograd as wg
 from .calls import _conv_geometry, activation_attrs, inplace_activation, vendor_kernel
 
@@ -51,6 +54,7 @@ Applies = Callable[[Graph, Node, torch.device, Options], str | None]
 Build = Callable[[Graph, Node, torch.device, Options, Hardware], Kernel | None]
 
 DEFAULT = "default"
+AUTOTUNE = "autotune"  # measure every applicable algorithm on the layer (tuning.py)
 
 
 def _no_extra(graph: Graph, node: Node) -> int:
@@ -318,8 +322,9 @@ ALGORITHMS: dict[str, dict[str, Algorithm]] = {
 
 
 def algorithm_names(op: str) -> list[str]:
-    """The names ``algorithms=`` takes for ``op``: "default" and every registered one."""
-    return [DEFAULT, *ALGORITHMS.get(op, {})]
+    """The names ``algorithms=`` takes for ``op``: "default", "autotune" and every
+    registered one."""
+    return [DEFAULT, AUTOTUNE, *ALGORITHMS.get(op, {})]
 
 
 # A user algorithm's call: F.conv2d's signature (x, weight, bias, stride, padding,
@@ -351,7 +356,7 @@ def register_algorithm(
     built-in one cannot be replaced."""
     if op != "conv2d":
         raise OptionsError(f"register_algorithm: only conv2d takes user algorithms, not {op!r}")
-    if not name or name == DEFAULT:
+    if not name or name in (DEFAULT, AUTOTUNE):
         raise OptionsError(f"register_algorithm: {name!r} is not a valid algorithm name")
     table = ALGORITHMS[op]
     old = table.get(name)
@@ -465,8 +470,9 @@ def check_selection(algorithms: Any) -> None:
 
 
 def _lookup(op: str, name: Any) -> Algorithm | None:
-    """The algorithm ``name`` of ``op``; None for "default"; OptionsError when unknown."""
-    if name == DEFAULT:
+    """The algorithm ``name`` of ``op``; None for "default" and "autotune"; OptionsError
+    when unknown."""
+    if name in (DEFAULT, AUTOTUNE):
         return None
     table = ALGORITHMS.get(op, {})
     if not isinstance(name, str) or name not in table:
@@ -530,6 +536,8 @@ def choose(
         index = layer_indices(graph, node.op).get(node.name, 0)
     name = requested(options, graph, node, index)
     algorithm = _lookup(node.op, name)
+    if name == AUTOTUNE:
+        return tuned_choice(graph, node, device, options, hardware)
     if algorithm is None:
         return default_choice(graph, node, device, options, hardware)
     why = algorithm.applies(graph, node, device, options)
@@ -545,6 +553,107 @@ def choose(
     note = f"algorithms= asked for {name}, which does not apply: {why}; the default runs"
     reason = f"{fallback.reason}; {note}" if fallback.reason else note
     return Choice(fallback.fn, fallback.algorithm, reason)
+
+
+def problem_of(graph: Graph, node: Node) -> dict[str, Any]:
+    """What a tuning decision depends on of a layer: shapes, geometry, epilogue, dtype and
+    the layouts (the layer's index and name do not: identical problems are tuned once)."""
+    layer = dataclasses.asdict(layer_of(graph, node, 0))
+    for k in ("index", "name", "source"):
+        layer.pop(k)
+    layer["activation_attrs"] = sorted(activation_attrs(node)[1].items())
+    layer["input_layout"] = graph.values[node.inputs[0]].layout
+    return layer
+
+
+def _tuning_inputs(graph: Graph, node: Node, device: torch.device) -> list[torch.Tensor]:
+    """Seeded random inputs of the layer's shapes and layouts (weights: its constants)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(value: str) -> torch.Tensor:
+        t = graph.values[value]
+        x = torch.randn(t.shape, generator=gen, dtype=getattr(torch, t.dtype))
+        if t.layout == "nhwc" and t.rank == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x.to(device)
+
+    args = []
+    for v in node.inputs:
+        arr = graph.params.get(v)
+        args.append(
+            torch.from_numpy(np.ascontiguousarray(arr)).to(device) if arr is not None else rand(v)
+        )
+    return args
+
+
+def tuned_choice(
+    graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
+) -> Choice | None:
+    """The fastest applicable algorithm for ``node``, measured on its problem size
+    (:func:`tuning.best_of`) or taken from a stored decision (no timing). Approximate
+    candidates whose error against the vendor call on the tuning input exceeds their
+    ``error_bound`` are rejected. Decisions are stored in ``options.cache_dir``."""
+    table = ALGORITHMS.get(node.op, {})
+    names = [n for n, a in table.items() if a.applies(graph, node, device, options) is None]
+    if not names:
+        return default_choice(graph, node, device, options, hardware)
+    key = tuning.decision_key(problem_of(graph, node), names, hardware.key())
+    store = tuning.DecisionStore(options.cache_dir)
+    record, whence = store.get(key)
+    if record is not None and record["algorithm"] in table:
+        fn = table[record["algorithm"]].build(graph, node, device, options, hardware)
+        if fn is not None:
+            how = "cached" if whence == "cached" else "same problem tuned before"
+            return Choice(fn, record["algorithm"], f"tuned: {how}; {record['summary']}")
+    built = {}
+    for n in names:
+        fn = table[n].build(graph, node, device, options, hardware)
+        if fn is not None:
+            built[n] = fn
+    if not built:
+        return default_choice(graph, node, device, options, hardware)
+    args = _tuning_inputs(graph, node, device)
+    rejected = []
+    if any(not table[n].exact for n in built):
+        with torch.inference_mode():
+            ref_fn = built.get(VENDOR.name) or get_op(node.op).bind(node)
+            ref = ref_fn(*args)
+            scale = max(float(ref.abs().max()), 1e-30)
+            for n in [n for n in built if not table[n].exact]:
+                err = float((built[n](*args) - ref).abs().max()) / scale
+                if not err <= float(table[n].error_bound or 0.0):
+                    rejected.append(f"{n} rejected (error {err:.1e} of scale)")
+                    del built[n]
+
+    def call(fn: Kernel) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.inference_mode():
+                return fn(*args)
+
+        return run
+
+    outcome = tuning.best_of({n: call(fn) for n, fn in built.items()})
+    times = ", ".join(
+        f"{n} {t * 1e3:.3g} ms"
+        + (f" (pruned after round {outcome.pruned[n]})" if n in outcome.pruned else "")
+        for n, t in sorted(outcome.times.items(), key=lambda p: p[1])
+    )
+    summary = f"{outcome.best} best of {len(built)}" + (f": {times}" if times else "")
+    if rejected:
+        summary += "; " + ", ".join(rejected)
+    store.put(
+        key,
+        {
+            "algorithm": outcome.best,
+            "times_s": outcome.times,
+            "pruned": outcome.pruned,
+            "summary": summary,
+            "problem": problem_of(graph, node),
+            "hardware": hardware.key(),
+            "version": __version__,
+        },
+    )
+    return Choice(built[outcome.best], outcome.best, f"tuned: {summary}")
 
 
 def vendor_call(

@@ -1,0 +1,163 @@
+"""Autotuning: the best of a layer's candidate calls, measured, and decisions kept on disk.
+
+:func:`best_of` (BestOf's rounds): every candidate runs once untimed (one-time costs:
+lazy initialisation, first-touch of its buffers), then up to ``rounds`` timed rounds; after
+``prune_after_round`` rounds every candidate whose best time is slower than the best
+candidate's by more than ``pruning_speedup`` is dropped; the fastest survivor wins.
+
+:class:`DecisionStore`: decisions as JSON in ``<cache_dir>/tuning/decisions.json``, keyed
+by a digest of the problem (shapes, geometry, epilogue, dtype, layouts), the candidate
+set, the hardware description (``Hardware.key()``) and the package version; written
+atomically (a temporary file and ``os.replace``) after merging what another process wrote
+meanwhile, and memoised in this process (:func:`clear_memo` forgets the memo), so that
+identical problem sizes are tuned once and a second process times nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ...version import __version__
+
+ROUNDS = 5
+PRUNE_AFTER_ROUND = 2
+PRUNING_SPEEDUP = 1.5
+
+# (candidate name, a call running it once) -> seconds
+Timer = Callable[[str, Callable[[], Any]], float]
+
+
+def wall_timer(name: str, run: Callable[[], Any]) -> float:
+    """Seconds of one call of ``run`` (wall clock)."""
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
+
+
+# The timer tuning uses (tests replace it with a fake one).
+TIMER: Timer = wall_timer
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """The winner, each candidate's best time, and the round after which each pruned
+    candidate was dropped."""
+
+    best: str
+    times: dict[str, float]
+    pruned: dict[str, int]
+    rounds: int
+
+
+def best_of(
+    candidates: Mapping[str, Callable[[], Any]],
+    timer: Timer | None = None,
+    rounds: int = ROUNDS,
+    prune_after_round: int = PRUNE_AFTER_ROUND,
+    pruning_speedup: float = PRUNING_SPEEDUP,
+) -> Outcome:
+    """The fastest of ``candidates`` (name -> a call), by BestOf's rounds and pruning."""
+    if not candidates:
+        raise ValueError("best_of needs at least one candidate")
+    timer = timer or TIMER
+    alive = list(candidates)
+    if len(alive) == 1:
+        return Outcome(alive[0], {}, {}, 0)
+    for name in alive:  # untimed: one-time costs
+        candidates[name]()
+    best = {name: math.inf for name in alive}
+    pruned: dict[str, int] = {}
+    done = 0
+    for r in range(1, rounds + 1):
+        done = r
+        for name in alive:
+            best[name] = min(best[name], float(timer(name, candidates[name])))
+        if r >= prune_after_round:
+            fastest = min(best[n] for n in alive)
+            for name in alive:
+                if best[name] > pruning_speedup * fastest:
+                    pruned[name] = r
+            alive = [n for n in alive if n not in pruned]
+            if len(alive) == 1:
+                break
+    winner = min(alive, key=lambda n: best[n])
+    return Outcome(winner, best, pruned, done)
+
+
+def decision_key(problem: Mapping[str, Any], candidates: list[str], hardware_key: str) -> str:
+    """The digest a decision is stored under: problem, candidate set, hardware, version."""
+    blob = json.dumps(
+        {
+            "problem": problem,
+            "candidates": sorted(candidates),
+            "hardware": hardware_key,
+            "version": __version__,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+_MEMO: dict[tuple[str, str], dict[str, Any]] = {}
+_LOCK = threading.Lock()
+
+
+def clear_memo() -> None:
+    """Forget this process's decisions (the file keeps them)."""
+    with _LOCK:
+        _MEMO.clear()
+
+
+class DecisionStore:
+    """Tuning decisions of one cache directory (see the module docstring)."""
+
+    def __init__(self, cache_dir: Path | str) -> None:
+        self.path = Path(cache_dir) / "tuning" / "decisions.json"
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str) -> tuple[dict[str, Any] | None, str]:
+        """(the decision or None, where it came from: "memo", "cached" or "")."""
+        with _LOCK:
+            hit = _MEMO.get((str(self.path), key))
+            if hit is not None:
+                return hit, "memo"
+            record = self._read().get(key)
+            if isinstance(record, dict) and "algorithm" in record:
+                _MEMO[(str(self.path), key)] = record
+                return record, "cached"
+        return None, ""
+
+    def put(self, key: str, record: dict[str, Any]) -> None:
+        """Keep ``record`` in the memo and write it to the file (merged, atomically; a
+        write that fails leaves the memo only)."""
+        with _LOCK:
+            _MEMO[(str(self.path), key)] = record
+            data = self._read()
+            data[key] = record
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+                os.replace(tmp, self.path)
+            except OSError:
+                pass
+
+    def entries(self) -> dict[str, Any]:
+        """Every decision in the file."""
+        return self._read()
