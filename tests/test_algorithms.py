@@ -153,6 +153,7 @@ def test_default_rows_say_vendor(tmp_path):
     _close(y, ref)
     rows = _conv_rows(opt)
     assert len(rows) == 4 and {r.algorithm for r in rows} == {"vendor"}
+    assert all(r.extra_bytes == 0 for r in rows)
 
 
 @pytest.mark.parametrize("layout", ["auto", "nchw"])
@@ -162,7 +163,9 @@ def test_one_name_for_every_layer(tmp_path, layout):
     rows = _conv_rows(opt)
     assert [r.algorithm for r in rows] == ["im2col_gemm"] * 4
     assert all("chosen by algorithms=" in r.reason for r in rows)
-    assert "[im2col_gemm]" in opt.report().verbose()
+    assert all(r.extra_bytes > 0 for r in rows)  # its workspace
+    assert "[im2col_gemm +" in opt.report().verbose()
+    assert any("extra parameter and workspace memory" in n for n in opt.report().notes)
 
 
 def test_a_list_by_layer_and_default(tmp_path):

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from ..backends.vendor import ALGORITHMS
 from ..enums import Bound, RunsAs
 from ..graph import Graph, Node
 from ..hardware import Hardware
@@ -33,6 +34,8 @@ class ReportRow:
     # a conv2d/linear node's algorithm (backends/vendor/algorithms.py): "vendor",
     # "winograd_f4x4", "im2col_gemm", a user's; "" for other nodes
     algorithm: str = ""
+    # the algorithm's extra parameter and workspace bytes beyond the vendor call's
+    extra_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +136,23 @@ class Report:
             lines.append(
                 f"{r.node[:32]:<32} {r.op[:20]:<20} {r.bound:<7} {g:>5} {r.runs_as:<9} "
                 f"{r.flops / 1e6:>9.2f} {r.bytes / 1e6:>7.2f}  "
-                f"{'[' + r.algorithm + '] ' if r.algorithm else ''}{r.reason}"
+                f"{_algorithm_tag(r)}{r.reason}"
             )
         return "\n".join(lines)
+
+
+def _algorithm_tag(r: ReportRow) -> str:
+    if not r.algorithm:
+        return ""
+    extra = f" +{r.extra_bytes / 2**20:.2f} MiB" if r.extra_bytes else ""
+    return f"[{r.algorithm}{extra}] "
+
+
+def extra_bytes_of(graph: Graph, node: Node, algorithm: str) -> int:
+    """The extra bytes ``algorithm`` (backends/vendor/algorithms.py) holds for ``node``; 0
+    for none, or one no longer registered."""
+    record = ALGORITHMS.get(node.op, {}).get(algorithm) if algorithm else None
+    return 0 if record is None else int(record.extra_bytes(graph, node))
 
 
 def summarise_ops(ops: Sequence[str], width: int = 70) -> str:
@@ -252,6 +269,7 @@ def make_report(graph: Graph, plan: Any, hardware: Hardware | None = None) -> Re
                 flops=flops,
                 bytes=nbytes,
                 algorithm=getattr(st, "algorithm", "") if st else "",
+                extra_bytes=extra_bytes_of(graph, n, getattr(st, "algorithm", "") if st else ""),
             )
         )
     notes = tuple(getattr(plan, "notes", ()))
@@ -264,6 +282,17 @@ def make_report(graph: Graph, plan: Any, hardware: Hardware | None = None) -> Re
             f"around the framework's batched GEMM ({', '.join(wino[:3])}"
             f"{', ...' if len(wino) > 3 else ''}); Options(winograd=False) keeps oneDNN's "
             "direct algorithm",
+        )
+    extra = sum(r.extra_bytes for r in rows)
+    if extra:
+        by: dict[str, int] = {}
+        for r in rows:
+            if r.extra_bytes:
+                by[r.algorithm] = by.get(r.algorithm, 0) + r.extra_bytes
+        notes += (
+            f"algorithms' extra parameter and workspace memory: {extra / 2**20:.2f} MiB ("
+            + ", ".join(f"{a} {b / 2**20:.2f}" for a, b in sorted(by.items()))
+            + ")",
         )
     asked = [r for r in rows if "algorithms= asked for" in r.reason]
     if asked:
