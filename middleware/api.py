@@ -91,6 +91,11 @@ def optimize(
         opts["debug_dir"] = Path(opts["debug_dir"])  # type: ignore[arg-type]
     resolved = resolve_device(device)
     backend_for(resolved).check_runtime()
+    if opts.get("algorithms") and torch.device(resolved).type != "cpu":
+        raise OptionsError(
+            f"algorithms= chooses algorithms on the CPU only; the {resolved} backend runs "
+            "its vendor calls (cuDNN/cuBLAS) without a choice yet"
+        )
     o = Options(
         device=resolved, cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(), **opts
     )  # type: ignore[arg-type]

@@ -78,7 +78,8 @@ class Options:
     # (backends/vendor/algorithms.py: Layer, ALGORITHMS). A named algorithm that does not
     # apply to a layer falls back to the default there, with the reason in report().
     # ``winograd`` only governs the default: an explicit "winograd_f4x4" runs wherever it
-    # applies, even with winograd=False. Kept as sorted (op, selector) pairs.
+    # applies, even with winograd=False. Kept as sorted (op, selector) pairs. CPU only:
+    # optimize() refuses it for another device. "autotune" measures (vendor/tuning.py).
     algorithms: Any = None
     # On CUDA, a plan replays as one CUDA graph (captured on its first call): no launch
     # overhead per step. False runs the plan's steps one by one.

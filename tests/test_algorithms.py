@@ -288,3 +288,11 @@ def test_winograd_explicit_ignores_the_rule_only(monkeypatch, tmp_path):
     _close(choice.fn(*args), get_op("conv2d").bind(node)(*args), tol=1e-4)
     default = alg.choose(g, node, CPU, Options(cache_dir=tmp_path), hardware())
     assert default is not None and default.algorithm == "vendor" and default.reason == ""
+
+
+def test_options_keep_the_selection_hashable_and_sorted():
+    o = Options(algorithms={"linear": "vendor", "conv2d": ["vendor", "im2col_gemm"]})
+    assert o.algorithms == (("conv2d", ("vendor", "im2col_gemm")), ("linear", "vendor"))
+    assert hash(o) == hash(
+        Options(algorithms=[("conv2d", ("vendor", "im2col_gemm")), ("linear", "vendor")])
+    )
