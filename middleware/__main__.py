@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,8 +20,10 @@ from torch.utils._pytree import tree_flatten
 
 from . import cli_profile
 from .api import optimize, resolve_device
+from .backends.vendor.tuning import DecisionStore
 from .errors import MiddlewareError
 from .models import ModelSpecError, load_model
+from .options import default_cache_dir
 from .runtime.memtrack import measure_peak
 from .version import __version__
 
@@ -216,7 +219,46 @@ def add_profile(subparsers: Any) -> None:
     cli_profile.add_parser(subparsers)
 
 
-COMMANDS: list[AddCommand] = [add_run, add_profile]
+# ----------------------------------------------------------------------------- cache
+def add_cache(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "cache",
+        help="list the cache's kernels and tuning decisions; --clear-tuning forgets the latter",
+        description=(
+            "Count the compiled kernels and list the autotuning decisions "
+            "(algorithms={'conv2d': 'autotune'}) kept in the cache directory: one line per "
+            "problem (op, input -> output shape, weight shape, dtype, layout) with the "
+            "algorithm chosen. --clear-tuning deletes the decisions, so that the next "
+            "optimize() measures again."
+        ),
+    )
+    p.add_argument("--cache-dir", default=None, help="default: ~/.cache/middleware")
+    p.add_argument("--clear-tuning", action="store_true", help="forget every tuning decision")
+    p.set_defaults(func=cmd_cache)
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    root = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    kernels = root / "kernels"
+    n_kernels = sum(1 for _ in kernels.iterdir()) if kernels.is_dir() else 0
+    store = DecisionStore(root)
+    entries = store.entries()
+    print(f"{root}: {n_kernels} kernel(s), {len(entries)} tuning decision(s)")
+    for key, d in sorted(entries.items(), key=lambda kv: str(kv[1].get("problem"))):
+        p = d.get("problem", {}) if isinstance(d, dict) else {}
+        shape = "x".join(map(str, p.get("input_shape", ())))
+        out = "x".join(map(str, p.get("output_shape", ())))
+        w = "x".join(map(str, p.get("weight_shape", ())))
+        print(
+            f"  {key[:12]} {p.get('op', '?')} {shape} -> {out} w {w} {p.get('dtype', '')} "
+            f"{p.get('layout', '')}: {d.get('algorithm')}"
+        )
+    if args.clear_tuning:
+        print(f"cleared {store.clear()} tuning decision(s)")
+    return 0
+
+
+COMMANDS: list[AddCommand] = [add_run, add_profile, add_cache]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import middleware
+from middleware.__main__ import main
 from middleware.backends.vendor import algorithms as alg
 from middleware.backends.vendor import tuning
 
@@ -229,3 +230,18 @@ def test_autotune_is_a_known_name_and_not_registrable():
     assert "autotune" in alg.algorithm_names("conv2d")
     with pytest.raises(middleware.OptionsError):
         middleware.register_algorithm("conv2d", "autotune", F.conv2d)
+
+
+def test_the_cache_command_lists_and_clears_the_decisions(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tuning, "TIMER", _fake_timer)
+    _optimize(tmp_path)
+    assert main(["cache", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "3 tuning decision(s)" in out
+    assert "conv2d 2x16x12x10 -> 2x16x12x10 w 16x16x3x3 float32 nhwc: im2col_gemm" in out
+    assert main(["cache", "--cache-dir", str(tmp_path), "--clear-tuning"]) == 0
+    assert "cleared 3 tuning decision(s)" in capsys.readouterr().out
+    assert not (tmp_path / "tuning" / "decisions.json").exists()
+    monkeypatch.setattr(tuning, "TIMER", _no_timing)
+    with pytest.warns(UserWarning, match="was timed"):  # memo cleared too: it measures again
+        _optimize(tmp_path)

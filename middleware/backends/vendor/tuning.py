@@ -161,3 +161,16 @@ class DecisionStore:
     def entries(self) -> dict[str, Any]:
         """Every decision in the file."""
         return self._read()
+
+    def clear(self) -> int:
+        """Forget every decision of this cache directory (file and memo); how many the
+        file held."""
+        with _LOCK:
+            n = len(self._read())
+            for key in [k for k in _MEMO if k[0] == str(self.path)]:
+                del _MEMO[key]
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+        return n
