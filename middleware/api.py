@@ -115,6 +115,9 @@ def _check_option_values(opts: dict[str, object]) -> None:
             f"unknown pass(es) {unknown} in disable_passes; passes are: {', '.join(known)}"
         )
     check_selection(selection_pairs(opts.get("algorithms")))
+    cap = opts.get("max_extra_bytes")
+    if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0):
+        raise OptionsError(f"max_extra_bytes={cap!r}: use None (no cap) or a number of bytes >= 0")
     layout = opts.get("layout", "auto")
     if layout not in LAYOUTS:
         raise OptionsError(f"layout={layout!r} is not one of {', '.join(map(repr, LAYOUTS))}")

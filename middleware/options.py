@@ -81,6 +81,10 @@ class Options:
     # applies, even with winograd=False. Kept as sorted (op, selector) pairs. CPU only:
     # optimize() refuses it for another device. "autotune" measures (vendor/tuning.py).
     algorithms: Any = None
+    # Cap on one layer's extra bytes for its algorithm (transformed weights + workspace
+    # beyond the vendor call's: Algorithm.extra_bytes): an algorithm above it is not used
+    # for that layer (named, autotuned or by the default's rule); None: no cap.
+    max_extra_bytes: int | None = None
     # On CUDA, a plan replays as one CUDA graph (captured on its first call): no launch
     # overhead per step. False runs the plan's steps one by one.
     cuda_graphs: bool = True

@@ -296,3 +296,19 @@ def test_options_keep_the_selection_hashable_and_sorted():
     assert hash(o) == hash(
         Options(algorithms=[("conv2d", ("vendor", "im2col_gemm")), ("linear", "vendor")])
     )
+
+
+def test_the_memory_cap_keeps_algorithms_out(monkeypatch, tmp_path):
+    opt, y, ref = _run(tmp_path, algorithms={"conv2d": "im2col_gemm"}, max_extra_bytes=0)
+    _close(y, ref)
+    rows = _conv_rows(opt)
+    assert [r.algorithm for r in rows] == ["vendor"] * 4
+    assert all("over max_extra_bytes" in r.reason for r in rows)
+    monkeypatch.setattr(wg, "MIN_PIXELS", 1)  # the default's rule would pick Winograd
+    g, node = conv_graph((1, 64, 8, 8), (64, 64, 3, 3), "nhwc", padding=1)
+    free = alg.choose(g, node, CPU, Options(cache_dir=tmp_path), hardware())
+    assert free is not None and free.algorithm == "winograd_f4x4"
+    capped = Options(cache_dir=tmp_path, max_extra_bytes=36 * 4 * 64 * 64 - 1)
+    assert alg.choose(g, node, CPU, capped, hardware()).algorithm == "vendor"
+    with pytest.raises(OptionsError, match="max_extra_bytes=-1"):
+        middleware.optimize(_net(), cache_dir=tmp_path, max_extra_bytes=-1)

@@ -245,3 +245,16 @@ def test_the_cache_command_lists_and_clears_the_decisions(monkeypatch, tmp_path,
     monkeypatch.setattr(tuning, "TIMER", _no_timing)
     with pytest.warns(UserWarning, match="was timed"):  # memo cleared too: it measures again
         _optimize(tmp_path)
+
+
+def test_autotune_respects_the_memory_cap(monkeypatch, tmp_path):
+    monkeypatch.setattr(tuning, "TIMER", _fake_timer)
+    m = _ns["make"]()
+    x = torch.randn(2, 3, 12, 10)
+    opt = middleware.optimize(
+        m, example_inputs=[x], cache_dir=tmp_path, measure_hardware=False,
+        algorithms={"conv2d": "autotune"}, max_extra_bytes=0,
+    )  # fmt: skip
+    with torch.inference_mode():
+        _close(opt(x), m(x))
+    assert {r.algorithm for r in opt.report().rows if r.op == "conv2d"} == {"vendor"}

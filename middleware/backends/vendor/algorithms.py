@@ -502,13 +502,40 @@ def requested(options: Options, graph: Graph, node: Node, index: int) -> str:
     return DEFAULT if name is None else name
 
 
+def over_cap(algorithm: Algorithm, graph: Graph, node: Node, options: Options) -> str | None:
+    """Why ``algorithm``'s extra bytes exceed ``options.max_extra_bytes`` at ``node``, or
+    None."""
+    cap = options.max_extra_bytes
+    if cap is None:
+        return None
+    extra = int(algorithm.extra_bytes(graph, node))
+    if extra <= cap:
+        return None
+    return f"{extra / 2**20:.2f} MiB extra memory over max_extra_bytes ({cap / 2**20:.2f} MiB)"
+
+
+def _usable(
+    algorithm: Algorithm, graph: Graph, node: Node, device: torch.device, options: Options
+) -> str | None:
+    """None where ``algorithm`` applies to ``node`` within the memory cap, else why not."""
+    why = algorithm.applies(graph, node, device, options)
+    return why if why is not None else over_cap(algorithm, graph, node, options)
+
+
 def default_choice(
     graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
 ) -> Choice | None:
-    """The middleware's own choice: conv2d as Winograd where ``options.winograd`` is on and
-    its measured rule picks the layer, else the vendor call; None where nothing offers a
+    """The middleware's own choice: conv2d as Winograd where ``options.winograd`` is on,
+    its measured rule picks the layer and its extra bytes are within
+    ``options.max_extra_bytes``, else the vendor call; None where nothing offers a
     call (the catalogue reference runs)."""
-    if node.op == "conv2d" and options.winograd and device.type == "cpu":
+    if (
+        node.op == "conv2d"
+        and options.winograd
+        and device.type == "cpu"
+        and wg.why_not(graph, node) is None
+        and over_cap(WINOGRAD_F4X4, graph, node, options) is None
+    ):
         fn = wg.winograd_kernel(graph, node, options, hardware)
         if fn is not None:
             return Choice(fn, WINOGRAD_F4X4.name, fn.algorithm)
@@ -540,7 +567,7 @@ def choose(
         return tuned_choice(graph, node, device, options, hardware)
     if algorithm is None:
         return default_choice(graph, node, device, options, hardware)
-    why = algorithm.applies(graph, node, device, options)
+    why = _usable(algorithm, graph, node, device, options)
     if why is None:
         fn = algorithm.build(graph, node, device, options, hardware)
         if fn is not None:
@@ -594,7 +621,7 @@ def tuned_choice(
     candidates whose error against the vendor call on the tuning input exceeds their
     ``error_bound`` are rejected. Decisions are stored in ``options.cache_dir``."""
     table = ALGORITHMS.get(node.op, {})
-    names = [n for n, a in table.items() if a.applies(graph, node, device, options) is None]
+    names = [n for n, a in table.items() if _usable(a, graph, node, device, options) is None]
     if not names:
         return default_choice(graph, node, device, options, hardware)
     key = tuning.decision_key(problem_of(graph, node), names, hardware.key())
