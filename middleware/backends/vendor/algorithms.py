@@ -23,7 +23,9 @@ linear: ``vendor`` only.
 
 :func:`choose` picks one algorithm per layer from ``Options.algorithms`` (a string, a
 list by layer index, or a callable on a :class:`Layer`; "default" lets the middleware
-decide); a named algorithm that does not apply falls back to the default with the reason.
+decide; "autotune" measures every usable one, :func:`tuned_choice` and ``tuning.py``); a
+named algorithm that does not apply, or whose extra bytes exceed
+``Options.max_extra_bytes``, falls back to the default with the reason.
 :func:`register_algorithm` adds a user's algorithm (a Python callable with
 ``F.conv2d``'s signature), selectable by name like a built-in one.
 """
