@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from fusion_helpers import bn, build_chain, hardware, maxpool, random_inputs
-from middleware.backends.x86 import X86Backend, index
 
 import middleware
+from middleware.backends.x86 import X86Backend, index
 from middleware.options import Options
 
 ATOL = RTOL = 1e-5
