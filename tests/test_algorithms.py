@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from fusion_helpers import conv_graph, hardware
 
 import middleware
-from middleware.backends.vendor import ALGORITHMS
+from middleware.backends.vendor import ALGORITHMS, im2col
 from middleware.backends.vendor import algorithms as alg
 from middleware.backends.vendor import winograd as wg
 from middleware.errors import OptionsError
@@ -82,7 +82,7 @@ def test_im2col_gemm_matches_pytorch(case, ep, layout):
 
 def test_im2col_gemm_equals_f_conv2d_and_chunks_the_batch(monkeypatch):
     """A plain conv straight against F.conv2d, with a workspace of one sample per chunk."""
-    monkeypatch.setattr(alg, "IM2COL_WORKSPACE_BYTES", 1)
+    monkeypatch.setattr(im2col, "IM2COL_WORKSPACE_BYTES", 1)
     g, node = conv_graph((3, 6, 12, 10), (9, 6, 3, 3), "nhwc", stride=2, padding=1)
     x = torch.randn(3, 6, 12, 10)
     w, b = torch.from_numpy(g.params["w"]), torch.from_numpy(g.params["b"])
