@@ -69,3 +69,9 @@ class CompileError(MiddlewareError):
         if stderr:
             detail.append("compiler output:\n" + stderr.strip())
         super().__init__("\n".join(detail))
+
+    def reason(self) -> str:
+        """The one-line reason a report gives for the nodes of a kernel that failed to
+        compile: the first three lines of the compiler's output (or of the message)."""
+        lines = (self.stderr or str(self)).strip().splitlines()
+        return "compile failed: " + " | ".join(lines[:3])

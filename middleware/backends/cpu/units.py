@@ -197,10 +197,8 @@ def fusion_units(
                 RuntimeWarning,
                 stacklevel=2,
             )
-            msg = (err.stderr or str(err)).strip().splitlines()
-            reason = "compile failed: " + " | ".join(msg[:3])
             for n in names:
-                failed[n] = reason
+                failed[n] = err.reason()
             continue
         if err is not None:  # a generator bug must not break optimize()
             if options.strict:

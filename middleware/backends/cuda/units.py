@@ -186,8 +186,7 @@ def cuda_units(
                 RuntimeWarning,
                 stacklevel=2,
             )
-            msg = (result.stderr or str(result)).strip().splitlines()
-            why.update({n: "compile failed: " + " | ".join(msg[:3]) for n in groups[gid]})
+            why.update({n: result.reason() for n in groups[gid]})
             continue
         if emulate:
             launcher = emulated_launcher(r, options.cache_dir)
