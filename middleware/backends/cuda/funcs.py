@@ -17,30 +17,11 @@ from collections.abc import Callable
 from ...errors import UnsupportedError
 from ...index_expr import Ix, to_c
 from ...loops import FUNCTIONS, Expr, Load, ParamVec
-from ..x86.cfuncs import c_expr, c_float
+from ..x86.cfuncs import C_FUNCS, c_expr, c_float
 
-CUDA_FUNCS: dict[str, str] = {
-    "add": "({0} + {1})",
-    "sub": "({0} - {1})",
-    "mul": "({0} * {1})",
-    "div": "({0} / {1})",
-    "max": "mw_max({0}, {1})",
-    "min": "mw_min({0}, {1})",
-    "neg": "(-{0})",
-    "exp": "expf({0})",
-    "expm1": "expm1f({0})",
-    "log": "logf({0})",
-    "log1p": "log1pf({0})",
-    "abs": "fabsf({0})",
-    "tanh": "tanhf({0})",
-    "erf": "erff({0})",
-    "sigmoid": "mw_sigmoid({0})",
-    "gt": "({0} > {1})",
-    "ge": "({0} >= {1})",
-    "le": "({0} <= {1})",
-    "and": "({0} && {1})",
-    "select": "({0} ? {1} : {2})",
-}
+# CUDA C spells every function of the vocabulary as C does (the same libm names, the same
+# NaN-propagating mw_max/mw_min, defined below as device functions): the x86 table itself
+CUDA_FUNCS: dict[str, str] = dict(C_FUNCS)
 
 # The helpers the table's spellings call, defined once in every CUDA template (device
 # functions; the CPU emulation compiles them as inline C++). ``a != a`` is isnan(a).
