@@ -69,10 +69,6 @@ def _no_extra(graph: Graph, node: Node) -> int:
     return 0
 
 
-def _always(graph: Graph, node: Node, device: torch.device, options: Options) -> str | None:
-    return None
-
-
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
     """One way to compute an op (see the module docstring)."""
