@@ -8,8 +8,8 @@ import ctypes
 import types
 
 import pytest
-from middleware.backends.cuda import loader as loader_mod
 
+from middleware.backends.cuda import loader as loader_mod
 from middleware.errors import DeviceError
 
 
@@ -68,6 +68,9 @@ def fake(monkeypatch):
     bindings.driver = driver
     monkeypatch.setitem(__import__("sys").modules, "cuda.bindings", bindings)
     monkeypatch.setitem(__import__("sys").modules, "cuda.bindings.driver", driver)
+    # the driver library's own cuLaunchKernel is not called here (a test machine with a
+    # GPU would have one): the cuda.bindings path, unless a test plants its own
+    monkeypatch.setattr(loader_mod, "_direct_launch", lambda: None)
     return driver
 
 
@@ -82,6 +85,31 @@ def test_cuda_bindings_loader_launches_with_a_pointer_array(fake):
     assert ("launch", "fn", 7, 256, 0, ("stream", 42), 0) in fake.calls
     ld.launch(fn, 1, 32, [0x4000, 0x5000, 0x6000], 0)  # arrays reused, values refreshed
     assert fake.launch_args == [0x4000, 0x5000, 0x6000]
+
+
+def test_direct_launch_passes_the_handles_and_a_per_thread_pointer_array(fake, monkeypatch):
+    """The ctypes path (libcuda's cuLaunchKernel): the function's and the stream's raw
+    handles, and a kernelParams array per thread, so that two threads launching at once
+    never read each other's argument values."""
+    import threading
+
+    seen = []
+
+    def direct(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        slots = (ctypes.c_void_p * 2).from_address(params)
+        values = [ctypes.c_void_p.from_address(slots[i]).value for i in range(2)]
+        seen.append((f, gx, bx, smem, stream, extra, values, params))
+        return 0
+
+    monkeypatch.setattr(loader_mod, "_direct_launch", lambda: direct)
+    ld = loader_mod.CudaBindingsLoader()
+    ld.launch(0xF00, 3, 64, [0x10, 0x20], 7)
+    assert seen[-1][:7] == (0xF00, 3, 64, 0, 7, None, [0x10, 0x20])
+    other = threading.Thread(target=ld.launch, args=(0xF00, 1, 32, [0x30, 0x40], 0))
+    other.start()
+    other.join()
+    assert seen[-1][6] == [0x30, 0x40] and seen[-1][7] != seen[0][7]
+    assert not any(c[0] == "launch" for c in fake.calls)  # cuda.bindings' launch unused
 
 
 def test_cuda_bindings_errors_name_the_call(fake):

@@ -222,14 +222,21 @@ class OptimizedModule(nn.Module):
                 return out
             if entry is None:
                 return self._original(*inputs)
-        self._latest = entry
-        with torch.no_grad():
-            if entry.plan is None:  # this signature runs as the original model
-                return self._original(*inputs)
-            try:
-                return entry.plan.run(inputs)
-            except Exception as e:  # noqa: BLE001 - a plan bug must not reach the user
-                return self._run_failed(inputs, sig, e)
+        # a plain attribute, not through nn.Module.__setattr__ (which looks the name up in
+        # the parameter, buffer and module tables: a few microseconds on every call)
+        self.__dict__["_latest"] = entry
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._run_entry(entry, inputs, sig)
+        return self._run_entry(entry, inputs, sig)
+
+    def _run_entry(self, entry: Compiled, inputs: Sequence[torch.Tensor], sig: tuple) -> Any:
+        if entry.plan is None:  # this signature runs as the original model
+            return self._original(*inputs)
+        try:
+            return entry.plan.run(inputs)
+        except Exception as e:  # noqa: BLE001 - a plan bug must not reach the user
+            return self._run_failed(inputs, sig, e)
 
     def _build(self, inputs: Sequence[torch.Tensor], sig: tuple) -> tuple[Compiled | None, Any]:
         """Double-checked: another thread may have built the signature while this one waited."""
@@ -249,7 +256,7 @@ class OptimizedModule(nn.Module):
             f"the plan failed while running ({first_line(failure)}); this input signature "
             "runs as the original PyTorch code",
             failure,
-            stacklevel=3,
+            stacklevel=4,
         )
         with self._compile_lock:
             self._runs_as_original(inputs, sig, reason)

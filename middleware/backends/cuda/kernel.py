@@ -53,21 +53,32 @@ class GeneratedKernel:
         self._grid, self._block = rendered.launch.grid, rendered.launch.block
         self._ins = [(torch.Size(t.shape), memory_format_of(t)) for t in rendered.in_types]
         self._outs = [(torch.Size(t.shape), memory_format_of(t)) for t in rendered.out_types]
+        self._single = self._outs[0] if len(self._outs) == 1 else None
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         dev = inputs[0].device if inputs else torch.device("cpu")
+        if self._single is not None:  # one output: the common case, without the lists
+            size, fmt = self._single
+            out = torch.empty(size, dtype=torch.float32, device=dev, memory_format=fmt)
+            self.out(*inputs, out)
+            return out
         outs = [
             torch.empty(size, dtype=torch.float32, device=dev, memory_format=fmt)
             for size, fmt in self._outs
         ]
         self.out(*inputs, *outs)
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        return tuple(outs)
 
     def out(self, *args: torch.Tensor) -> None:
         n = self._n_in
         # the laid-out inputs stay referenced until the launch is queued (a copy made here
         # must not be freed before; on CUDA the caching allocator orders the reuse by stream)
-        ins = [_dense(x, size, fmt) for x, (size, fmt) in zip(args[:n], self._ins, strict=True)]
+        ins = [
+            x
+            if x.dtype is torch.float32 and x.shape == size and x.is_contiguous(memory_format=fmt)
+            else _dense(x, size, fmt)
+            for x, (size, fmt) in zip(args[:n], self._ins, strict=True)
+        ]
         ptrs = [x.data_ptr() for x in ins]
         staged = []
         for o, (size, fmt) in zip(args[n:], self._outs, strict=True):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -64,7 +65,11 @@ class CudaBindingsLoader:
         self.cu = driver
         self._check(driver.cuInit(0)[0], "cuInit")
         self._images: list[Any] = []  # cubin buffers stay alive as long as their modules
-        self._params: dict[int, tuple[Any, Any, int]] = {}
+        # kernelParams arrays, per thread (two threads launching at once must not overwrite
+        # each other's argument values between filling them and the launch)
+        self._local = threading.local()
+        self._streams: dict[int, Any] = {}
+        self._direct = _direct_launch()
 
     def _check(self, err: Any, what: str) -> None:
         if int(err) != 0:
@@ -98,19 +103,56 @@ class CudaBindingsLoader:
         # kernelParams: an array of pointers to the argument values (the driver copies the
         # values at launch, so the two arrays are reused from launch to launch)
         n = len(ptrs)
-        arrays = self._params.get(n)
+        arrays = getattr(self._local, "params", None)
         if arrays is None:
+            arrays = self._local.params = {}
+        entry = arrays.get(n)
+        if entry is None:
             values = (ctypes.c_void_p * n)()
             base, size = ctypes.addressof(values), ctypes.sizeof(ctypes.c_void_p)
             params = (ctypes.c_void_p * n)(*[base + i * size for i in range(n)])
-            arrays = self._params[n] = (values, params, ctypes.addressof(params))
-        values, _, address = arrays
+            entry = arrays[n] = (values, params, ctypes.addressof(params))
+        values, _, address = entry
         for i, p in enumerate(ptrs):
             values[i] = p
-        (err,) = self.cu.cuLaunchKernel(
-            fn, grid, 1, 1, block, 1, 1, 0, self.cu.CUstream(stream), address, 0
-        )
+        direct = self._direct
+        if direct is not None:  # libcuda's cuLaunchKernel through ctypes: the fast path
+            err = direct(int(fn), grid, 1, 1, block, 1, 1, 0, stream, address, None)
+            if err:
+                self._check(self.cu.CUresult(err), "cuLaunchKernel")
+            return
+        cu_stream = self._streams.get(stream)
+        if cu_stream is None:
+            cu_stream = self._streams[stream] = self.cu.CUstream(stream)
+        (err,) = self.cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, cu_stream, address, 0)
         self._check(err, "cuLaunchKernel")
+
+
+def _direct_launch() -> Any:
+    """``cuLaunchKernel`` of the driver library (the one cuda.bindings calls) through ctypes,
+    or None where it cannot be loaded: about a microsecond per launch instead of several
+    through cuda.bindings' argument conversion."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernel
+    except (OSError, AttributeError):
+        return None
+    u = ctypes.c_uint
+    fn.argtypes = [
+        ctypes.c_void_p,
+        u,
+        u,
+        u,
+        u,
+        u,
+        u,
+        u,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 class PyCudaLoader:
@@ -181,9 +223,19 @@ class LoadedKernel:
         self.device = device
         self.function = function
         self._fn = loader.load(cubin, function, device)
+        self._stream = current_stream_handle()
+
+
+def current_stream_handle() -> Any:
+    """A function of a device index giving the raw handle of PyTorch's current stream on it
+    (``torch._C._cuda_getCurrentRawStream``: no Stream object made per launch), or the
+    public API's where that private function is missing."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda device: torch.cuda.current_stream(device).cuda_stream
 
     def launch(self, grid: int, block: int, ptrs: Sequence[int]) -> None:
-        import torch
-
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.loader.launch(self._fn, grid, block, ptrs, stream)
+        self.loader.launch(self._fn, grid, block, ptrs, self._stream(self.device))
