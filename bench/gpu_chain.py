@@ -8,8 +8,11 @@ interleaved round by round):
 - ``compile`` / ``compile_cl``: ``torch.compile`` of the same module, NCHW / channels_last;
 - ``middleware``: ``middleware.optimize(model, device="cuda", cuda_graphs=False)`` on the
   NCHW input, its plan run step by step;
-- ``middleware_graph``: ``middleware.optimize(model, device="cuda")`` (the default: the
-  plan replayed as one CUDA graph, the output cloned for the caller);
+- ``middleware_graph``: ``middleware.optimize(model, device="cuda", cuda_graphs=True)``
+  (the plan replayed as one CUDA graph: the input copied in, the output cloned for the
+  caller);
+- ``middleware_default``: ``middleware.optimize(model, device="cuda")`` (the default
+  ``cuda_graphs="auto"``: whichever of the two measured faster at build time);
 - ``mw_kernel`` / ``mw_kernel_cl``: the group's generated kernel (its schedule, one thread
   per output) called directly on the NCHW / channels_last graph (without the plan's
   Python). (The shared-memory tiled variant, ``mw_kernel*_flat`` being the flat one in
@@ -147,11 +150,16 @@ def main(argv: list[str] | None = None) -> int:
             info["report"] = str(opt.report())
             fns["middleware"] = lambda: opt(x)
             graphed = middleware.optimize(
-                model, device="cuda", example_inputs=(x,), cache_dir=cache
+                model, device="cuda", example_inputs=(x,), cache_dir=cache, cuda_graphs=True
             )
             torch.testing.assert_close(graphed(x), model(x), rtol=1e-5, atol=1e-5)
             info["graph_notes"] = list(graphed.report().notes)
             fns["middleware_graph"] = lambda: graphed(x)
+            auto = middleware.optimize(model, device="cuda", example_inputs=(x,), cache_dir=cache)
+            torch.testing.assert_close(auto(x), model(x), rtol=1e-5, atol=1e-5)
+            info["default_notes"] = list(auto.report().notes)
+            info["default_chose"] = getattr(auto.plan, "chosen", None)
+            fns["middleware_default"] = lambda: auto(x)
         except Exception as exc:  # noqa: BLE001
             info["middleware_error"] = f"{type(exc).__name__}: {exc}"[:4000]
         try:
@@ -184,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("compile_error", "middleware_error", "kernel_error"):
         if key in info:
             print(f"{key}: {info[key]}")
+    if "default_chose" in info:
+        print(f"default (cuda_graphs='auto') chose: {info['default_chose']}")
     print(f"device: {info['device']}   copy bandwidth {gbs:.0f} GB/s (read+write)")
     for k, r in rows.items():
         print(

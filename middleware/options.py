@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .errors import OptionsError
 from .hardware import hardware_from_env, hardware_pin
 
 
@@ -86,8 +87,10 @@ class Options:
     # for that layer (named, autotuned or by the default's rule); None: no cap.
     max_extra_bytes: int | None = None
     # On CUDA, a plan replays as one CUDA graph (captured on its first call): no launch
-    # overhead per step. False runs the plan's steps one by one.
-    cuda_graphs: bool = True
+    # overhead per step. "auto": captured, then timed against running step by step (a
+    # replay copies its inputs and clones its outputs) and kept only where faster; True
+    # always replays, False runs the plan's steps one by one.
+    cuda_graphs: bool | str = "auto"
     # Debug: after every planned step, verify that no output lands in arena bytes its value
     # was not planned in (a framework allocation aliasing a live arena value); raises
     # runtime.memory.MemoryCheckError. Default: $MIDDLEWARE_CHECK_MEMORY.
@@ -100,6 +103,11 @@ class Options:
         # frozen: the checked, hashable form of the pin replaces what was passed
         object.__setattr__(self, "hardware", hardware_pin(self.hardware))
         object.__setattr__(self, "algorithms", selection_pairs(self.algorithms))
+        if self.cuda_graphs not in (True, False, "auto"):
+            raise OptionsError(
+                f"cuda_graphs={self.cuda_graphs!r}: use True (always replay the plan as one "
+                'CUDA graph), False (run it step by step) or "auto" (the faster, measured)'
+            )
 
     def codegen_key(self) -> str:
         """The settings that change generated code, as a stable string for cache keys."""

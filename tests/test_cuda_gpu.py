@@ -166,16 +166,18 @@ def test_torchvision_network_on_cuda(net, tmp_path):
     assert any(r.runs_as == "generated" for r in opt.report().rows)
 
 
-def test_plan_replays_as_a_cuda_graph_by_default(tmp_path):
-    """optimize() on CUDA captures the plan as one CUDA graph: later inputs give the model's
-    outputs, and outputs a caller keeps are not overwritten by the next replay;
+def test_plan_replays_as_a_cuda_graph(tmp_path):
+    """optimize(cuda_graphs=True) captures the plan as one CUDA graph: later inputs give the
+    model's outputs, and outputs a caller keeps are not overwritten by the next replay;
     cuda_graphs=False runs the same plan step by step."""
     import middleware
     from middleware.backends.cuda.graphs import CudaGraphPlan
 
     model = _randomised(SmallNet()).cuda()
     x = torch.randn(4, 3, 33, 31, device="cuda")
-    opt = middleware.optimize(model, device="cuda", example_inputs=(x,), cache_dir=tmp_path)
+    opt = middleware.optimize(
+        model, device="cuda", example_inputs=(x,), cache_dir=tmp_path, cuda_graphs=True
+    )
     assert isinstance(opt.plan, CudaGraphPlan) and opt.plan.graphed is not None
     assert any("one CUDA graph" in n for n in opt.report().notes), opt.report().notes
     with torch.no_grad():
@@ -189,6 +191,30 @@ def test_plan_replays_as_a_cuda_graph_by_default(tmp_path):
         )
         assert not isinstance(plain.plan, CudaGraphPlan)
         torch.testing.assert_close(plain(x2), y2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 33, 31), (16, 3, 112, 112)])
+def test_default_graph_or_steps_is_measured(shape, tmp_path):
+    """The default (cuda_graphs="auto") times replay against step by step after the capture
+    and keeps the faster: the report gives both times and the choice; either way the
+    outputs equal the model's, call after call."""
+    import middleware
+    from middleware.backends.cuda.graphs import CudaGraphPlan
+
+    model = _randomised(SmallNet()).cuda()
+    x = torch.randn(*shape, device="cuda")
+    opt = middleware.optimize(model, device="cuda", example_inputs=(x,), cache_dir=tmp_path)
+    plan = opt.plan
+    assert isinstance(plan, CudaGraphPlan) and plan.chosen in ("graph", "steps")
+    assert plan.timings is not None and all(t > 0 for t in plan.timings)
+    assert (plan.graphed is not None) == (plan.chosen == "graph")
+    note = [n for n in opt.report().notes if "measured" in n]
+    assert note and ("one CUDA graph" if plan.chosen == "graph" else "step by step") in note[0]
+    with torch.no_grad():
+        for _ in range(2):
+            x2 = torch.randn_like(x)
+            y = opt(x2)
+            torch.testing.assert_close(y, model(x2), rtol=1e-4, atol=1e-4)
 
 
 def test_conv_epilogue_on_the_gpu(tmp_path):

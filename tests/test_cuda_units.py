@@ -262,3 +262,43 @@ def test_pipeline_passes_for_a_gpu_then_the_cuda_backend(layout, tmp_path):
     with torch.no_grad():
         got = build_plan(graph, torch.device("cpu"), units).run([xin])
         torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("graph_ms", "steps_ms", "chosen"),
+    [(1.0, 2.0, "graph"), (2.0, 1.0, "steps"), (1.0, 1.01, "steps")],
+)
+def test_cuda_graphs_auto_keeps_the_faster_way(monkeypatch, graph_ms, steps_ms, chosen):
+    """cuda_graphs="auto": after the capture, replay and step by step are timed and the
+    faster kept (a replay must win by GRAPH_MARGIN); a plan left step by step drops its
+    graph and runs the plan itself; the note gives both times. (Timing stubbed: no GPU.)"""
+    from middleware.backends.cuda import graphs
+
+    class FakeGraphed:
+        def __init__(self, plan, inputs):
+            self.plan = plan
+
+        def run(self, inputs):
+            return ("replayed", *inputs)
+
+    class FakePlan:
+        notes = ()
+
+        def run(self, inputs):
+            return ("stepped", *inputs)
+
+    monkeypatch.setattr(graphs, "GraphedPlan", FakeGraphed)
+    monkeypatch.setattr(
+        graphs, "time_interleaved", lambda fns: {"graph": graph_ms, "steps": steps_ms}
+    )
+    plan = graphs.CudaGraphPlan(FakePlan(), decide=True)
+    assert plan.capture([torch.zeros(1)]) and plan.chosen == chosen
+    assert plan.timings == (graph_ms, steps_ms)
+    assert (plan.graphed is None) == (chosen == "steps")
+    assert plan.run([1])[0] == ("replayed" if chosen == "graph" else "stepped")
+    (note,) = plan.notes
+    assert f"{graph_ms:.3f} ms" in note and f"{steps_ms:.3f} ms" in note
+    assert note.startswith("the plan replays" if chosen == "graph" else "the plan runs step")
+    always = graphs.CudaGraphPlan(FakePlan(), decide=False)  # cuda_graphs=True: no timing
+    assert always.capture([torch.zeros(1)]) and always.chosen is None
+    assert always.run([1])[0] == "replayed"

@@ -60,10 +60,11 @@ class CudaBackend:
     def finish(self, plan: Any, options: Options, inputs: Sequence[torch.Tensor] | None) -> Any:
         """With ``options.cuda_graphs``, the plan replays as one CUDA graph: captured here on
         ``inputs`` when they are CUDA tensors (so that the report says whether it could be),
-        else on its first call."""
+        else on its first call; with "auto" (the default) only where replay measured faster
+        than running step by step."""
         if not options.cuda_graphs:
             return plan
-        graphed = CudaGraphPlan(plan)
+        graphed = CudaGraphPlan(plan, decide=options.cuda_graphs == "auto")
         if inputs is not None and all(x.device.type == "cuda" for x in inputs):
             with torch.no_grad():
                 graphed.capture(inputs)

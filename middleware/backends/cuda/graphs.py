@@ -9,13 +9,21 @@ buffers are overwritten by the next replay; a clone is what a user may keep). Ge
 kernels are captured too: they launch on ``torch.cuda.current_stream()``, which is the
 capture stream during capture. A plan that cannot be captured (a step that synchronises
 with the host) raises at construction; callers then keep running the plan itself.
+
+Replay is not always faster: each call copies its inputs into the captured buffers and
+clones the outputs, which for a plan of a few kernels over large tensors costs more than
+the launches it saves (a one-kernel BN -> ReLU -> max-pool plan on 16x64x112x112: the
+input copy alone moves as many bytes as the kernel reads). With ``Options(cuda_graphs=
+"auto")`` (the default) ``CudaGraphPlan`` times both ways right after the capture, back to
+back as a caller would run them, and keeps the faster; the report's notes give both times.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -70,10 +78,14 @@ class CudaGraphPlan:
     and ``notes`` says why. A second thread calling while a replay is under way runs the
     plan step by step (the captured buffers are shared)."""
 
-    def __init__(self, plan: Any) -> None:
+    def __init__(self, plan: Any, decide: bool = False) -> None:
         self.plan = plan
         self.graphed: GraphedPlan | None = None
         self.failed: str | None = None
+        # decide: time replay against step by step after the capture and keep the faster
+        self.decide = decide
+        self.chosen: str | None = None  # "graph" or "steps" once decided
+        self.timings: tuple[float, float] | None = None  # (graph ms, steps ms) per call
         self._busy = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:  # steps, arenas(), param_tensors(), ...
@@ -84,16 +96,34 @@ class CudaGraphPlan:
 
     @property
     def notes(self) -> tuple[str, ...]:
-        own = (
-            f"CUDA graph capture failed ({self.failed}); the plan runs step by step"
-            if self.failed
-            else "the plan replays as one CUDA graph (Options(cuda_graphs=False) runs it "
-            "step by step)",
-        )
-        return tuple(getattr(self.plan, "notes", ())) + own
+        if self.failed:
+            own = f"CUDA graph capture failed ({self.failed}); the plan runs step by step"
+        elif self.timings is not None:
+            g, st = self.timings
+            measured = (
+                f"measured {g:.3f} ms per call replayed (input copies and output clones "
+                f"included) against {st:.3f} ms step by step"
+            )
+            own = (
+                f"the plan replays as one CUDA graph: {measured} (Options(cuda_graphs=False) "
+                "runs it step by step)"
+                if self.chosen == "graph"
+                else f"the plan runs step by step: {measured} (Options(cuda_graphs=True) "
+                "replays it anyway)"
+            )
+        else:
+            own = (
+                "the plan replays as one CUDA graph (Options(cuda_graphs=False) runs it "
+                "step by step)"
+            )
+        return (*getattr(self.plan, "notes", ()), own)
 
     def run(self, inputs: Sequence[torch.Tensor]) -> Any:
-        if self.failed is not None or not self._busy.acquire(blocking=False):
+        if (
+            self.failed is not None
+            or self.chosen == "steps"
+            or not self._busy.acquire(blocking=False)
+        ):
             return self.plan.run(inputs)
         try:
             if self.graphed is None and not self.capture(inputs):
@@ -107,6 +137,8 @@ class CudaGraphPlan:
         set, with a warning) when the plan cannot be captured."""
         try:
             self.graphed = GraphedPlan(self.plan, [x.detach() for x in inputs])
+            if self.decide:
+                self._choose([x.detach() for x in inputs])
             return True
         except Exception as exc:  # noqa: BLE001 - any capture failure: run uncaptured
             self.failed = f"{type(exc).__name__}: {exc}"[:300]
@@ -121,3 +153,48 @@ class CudaGraphPlan:
             except Exception:  # noqa: BLE001 - a broken capture may leave an error behind
                 pass
             return False
+
+    def _choose(self, inputs: list[torch.Tensor]) -> None:
+        """Time replay (copies and clones included) against step by step on ``inputs``,
+        interleaved, and keep the faster; a replay must win by ``GRAPH_MARGIN`` to be kept
+        (it also holds the captured buffers)."""
+        graphed = self.graphed
+        assert graphed is not None
+        with torch.no_grad():
+            ms = time_interleaved(
+                {"graph": lambda: graphed.run(inputs), "steps": lambda: self.plan.run(inputs)}
+            )
+        self.timings = (ms["graph"], ms["steps"])
+        if ms["graph"] * GRAPH_MARGIN <= ms["steps"]:
+            self.chosen = "graph"
+        else:
+            self.chosen = "steps"
+            self.graphed = None  # its private memory pool goes back to the allocator
+
+
+# A replay must be at least this much faster than step by step to be chosen.
+GRAPH_MARGIN = 1.03
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], rounds: int = 5, calls: int = 4
+) -> dict[str, float]:
+    """Median milliseconds per call of each function, ``calls`` back-to-back calls between
+    two CUDA events per round (the host's own time per call shows when it is the longer),
+    the functions taking turns in every round after one untimed round."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    stream = torch.cuda.current_stream()
+    for r in range(rounds):
+        order = list(fns) if r % 2 == 0 else list(reversed(fns))
+        for k in order:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for _ in range(calls):
+                fns[k]()
+            end.record(stream)
+            end.synchronize()
+            times[k].append(start.elapsed_time(end) / calls)
+    return {k: statistics.median(v) for k, v in times.items()}
