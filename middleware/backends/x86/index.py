@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from importlib.abc import Traversable
 
 # Bump whenever the schedule or the C code generated from it changes meaning.
-CODEGEN_VERSION = 1
+CODEGEN_VERSION = 2
 INDEX_FORMAT = 1
 INDEX_DIR = "index"
 
@@ -90,6 +90,7 @@ REQUIRED_FILES = frozenset(
         "middleware.backends.x86/backend.py",
         "middleware.backends.x86/build.py",
         "middleware.backends.x86/cfuncs.py",
+        "middleware.backends.x86/cstage.py",
         "middleware.backends.x86/render.py",
         "middleware.backends.x86/templates/group.c.j2",
         "middleware.backends.x86/templates/group.ispc.j2",

@@ -17,6 +17,7 @@ from ...index_expr import Ix, Op, Var, to_c
 from ...loops import DIMS, Expr, Load, ParamVec
 from ...passes.schedule import Buffer, Loop, Schedule, Stage
 from .cfuncs import C_FUNCS, ISPC_FUNCS, c_expr, c_float
+from .cstage import StageWriter
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -222,9 +223,27 @@ def render_ispc(s: Schedule) -> tuple[str, str]:
     return ispc, glue
 
 
+def stages_c(s: Schedule, ctx: _Ctx) -> tuple[list[str], str]:
+    """(per-tile declarations, C text of every stage in order): ``cstage.StageWriter``."""
+
+    def target(st: Stage) -> str:
+        b = s.buffer(st.target)
+        return f"{buffer_ident(b.name)}[{address(b, _DIM_VARS)}]"
+
+    w = StageWriter(s, ctx.load, ctx.param, target, ctx.table, c_float)
+    for st in s.stages:
+        w.emit(0, "")
+        w.emit(3, f"/* {comment(st.name)} -> {buffer_ident(st.target)} */")
+        w.write(st, 3)
+    return w.decls, "\n".join(w.lines) + "\n"
+
+
 def render_c(s: Schedule) -> str:
     """The C source of ``s`` (one exported function named ``s.name``)."""
-    env = _common(s, _Ctx(s))
+    ctx = _Ctx(s)
+    env = _common(s, ctx)
+    decls, text = stages_c(s, ctx)
+    env.update(hoist_decls=decls, stages_text=text)
     scratch_text = (
         ", ".join(f"{buffer_ident(b.name)} {extent_text(b)}" for b in env["scratch"]) or "none"
     ) + f" ({s.tiling.scratch_bytes} bytes)"

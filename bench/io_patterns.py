@@ -1,0 +1,341 @@
+"""Benchmark: fused I/O patterns through ``middleware.optimize()`` against the memory limit.
+
+Issue 18. Five I/O-bound patterns the networks contain, each in both memory layouts (the
+inputs NCHW-contiguous or channels_last; ``optimize()`` decides its own internal layout):
+
+* ``chain``: batch-norm -> ReLU -> 3x3/2 max-pool (padding 1)
+* ``avgpool``: batch-norm -> ReLU -> 3x3/2 avg-pool (padding 1)
+* ``residual``: ReLU(x + y)
+* ``concat_maxpool``: cat([a, b, c], 1) -> 3x3/1 max-pool (padding 1), inception-style
+* ``se_gate``: x * sigmoid(s), ``s`` of shape (N, C, 1, 1) (the global pool already done)
+
+For each pattern and layout, in one process, interleaved in a new random order every
+round: PyTorch eager (NCHW and channels_last inputs: the fastest PyTorch way is the best
+of those, and of torch.compile with ``--compile``), ``optimize()``, a kernel that only
+streams the same bytes (reads every input byte once, writes every output byte once;
+OpenMP C through the same compiler and flags, regular and non-temporal stores, the
+faster counts) and a STREAM triad. Outputs are checked against eager first. Medians are
+reported; ``% stream`` is the pattern's bytes (inputs + output) per second through
+``optimize()`` as a share of the streaming kernel's, ``% triad`` as a share of the triad's
+(the triad's GB/s says how quiet the host was).
+
+    python bench/io_patterns.py [--rounds 25] [--batch 16] [--patterns chain residual]
+        [--layouts nchw nhwc] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import middleware
+from middleware.backends.x86.compile import build_c
+
+STREAM_C = r"""
+#include <stddef.h>
+#include <immintrin.h>
+/* Streams the bytes of a fused kernel: every input element read once, every output
+   element written once, block by block (each output block of B floats reads the matching
+   share of every input), so reads and writes interleave as in the kernel. */
+#define B 1024
+static void run(int nt_stores, int nin, const float **in, const long *len, float *out, long m)
+{
+  long nb = (m + B - 1) / B;
+  #pragma omp parallel for schedule(static)
+  for (long b = 0; b < nb; ++b) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int k = 0; k < nin; ++k) {
+      long lo = len[k] * b / nb, hi = len[k] * (b + 1) / nb;
+      const float *p = in[k];
+      long i = lo;
+      for (; i < lo + ((16 - (lo & 15)) & 15) && i < hi; ++i)
+        acc = _mm512_max_ps(acc, _mm512_set1_ps(p[i]));
+      for (; i + 16 <= hi; i += 16)
+        acc = _mm512_max_ps(acc, _mm512_load_ps(p + i));
+      for (; i < hi; ++i)
+        acc = _mm512_max_ps(acc, _mm512_set1_ps(p[i]));
+    }
+    long lo = b * B, hi = lo + B < m ? lo + B : m;
+    long i = lo;
+    if (nt_stores) {
+      for (; i + 16 <= hi; i += 16) _mm512_stream_ps(out + i, acc);
+    } else {
+      for (; i + 16 <= hi; i += 16) _mm512_store_ps(out + i, acc);
+    }
+    for (; i < hi; ++i) out[i] = _mm512_reduce_max_ps(acc);
+  }
+  if (nt_stores) _mm_sfence();
+}
+void stream(int nt_stores, int nin, const float **in, const long *len, float *out, long m)
+{
+  run(nt_stores, nin, in, len, out, m);
+}
+void triad(float *restrict a, const float *restrict b, const float *restrict c, float s, long n)
+{
+  #pragma omp parallel for simd schedule(static)
+  for (long i = 0; i < n; ++i)
+    a[i] = b[i] + s * c[i];
+}
+"""
+
+
+def _bn(c: int) -> nn.BatchNorm2d:
+    bn = nn.BatchNorm2d(c)
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    return bn
+
+
+class Residual(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + y)
+
+
+class ConcatMaxPool(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return F.max_pool2d(torch.cat([a, b, c], 1), 3, 1, 1)
+
+
+class SEGate(nn.Module):
+    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(s)
+
+
+def patterns(batch: int) -> dict[str, tuple[Callable[[], nn.Module], list[tuple[int, ...]]]]:
+    """name -> (model factory, input shapes)."""
+    n = batch
+    return {
+        "chain": (
+            lambda: nn.Sequential(_bn(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)),
+            [(n, 64, 112, 112)],
+        ),
+        "avgpool": (
+            lambda: nn.Sequential(_bn(64), nn.ReLU(), nn.AvgPool2d(3, 2, 1)),
+            [(n, 64, 112, 112)],
+        ),
+        "residual": (Residual, [(n, 64, 56, 56), (n, 64, 56, 56)]),
+        "concat_maxpool": (
+            ConcatMaxPool,
+            [(n, 64, 28, 28), (n, 128, 28, 28), (n, 32, 28, 28)],
+        ),
+        "se_gate": (SEGate, [(n, 128, 56, 56), (n, 128, 1, 1)]),
+    }
+
+
+class Native:
+    """The streaming kernel and the triad, built through the kernel cache."""
+
+    def __init__(self, cache: Path) -> None:
+        built = build_c("io_patterns_stream", STREAM_C, cache)
+        self.lib = ctypes.CDLL(str(built.binary))
+        self.lib.stream.restype = None
+        self.lib.stream.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_long,
+        ]
+        self.lib.triad.restype = None
+        self.lib.triad.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.c_long]
+
+    def stream(self, ins: list[torch.Tensor], out: torch.Tensor, nt: bool) -> Callable[[], None]:
+        k = len(ins)
+        ptrs = (ctypes.c_void_p * k)(*[x.data_ptr() for x in ins])
+        lens = (ctypes.c_long * k)(*[x.numel() for x in ins])
+        f, po, m = self.lib.stream, out.data_ptr(), out.numel()
+        keep = (ins, out, ptrs, lens)
+
+        def run() -> None:
+            f(int(nt), k, ptrs, lens, po, m)
+
+        run.keep = keep  # type: ignore[attr-defined]
+        return run
+
+    def triad(self, n: int) -> tuple[Callable[[], None], int]:
+        a, b, c = _aligned(n), torch.rand(n), torch.rand(n)
+        f, pa, pb, pc = self.lib.triad, a.data_ptr(), b.data_ptr(), c.data_ptr()
+
+        def run() -> None:
+            f(pa, pb, pc, 3.0, n)
+
+        run.keep = (a, b, c)  # type: ignore[attr-defined]
+        return run, 3 * 4 * n
+
+
+def _aligned(n: int) -> torch.Tensor:
+    """A float tensor of ``n`` elements starting on a 64-byte boundary."""
+    raw = torch.empty(n + 16)
+    off = (-(raw.data_ptr() // 4)) % 16
+    return raw[off : off + n]
+
+
+def to_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "nhwc" and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x.contiguous()
+
+
+def bench_case(
+    name: str,
+    layout: str,
+    factory: Callable[[], nn.Module],
+    shapes: list[tuple[int, ...]],
+    native: Native,
+    args: argparse.Namespace,
+    cache: Path,
+) -> dict:
+    torch.manual_seed(0)
+    model = factory().eval()
+    xs_nchw = [torch.randn(s) for s in shapes]
+    xs = [to_layout(x, layout) for x in xs_nchw]
+    xs_cl = [to_layout(x, "nhwc") for x in xs_nchw]
+    runs: dict[str, Callable[[], object]] = {}
+    with torch.inference_mode():
+        ref = model(*xs_nchw)
+        runs["eager nchw"] = lambda: model(*xs_nchw)
+        runs["eager channels_last"] = lambda: model(*xs_cl)
+        if args.compile:
+            comp = torch.compile(model)
+            comp(*xs)
+            runs["torch.compile"] = lambda: comp(*xs)
+    t0 = time.perf_counter()
+    opt = middleware.optimize(model, device="cpu", example_inputs=xs, cache_dir=cache)
+    opt(*xs)
+    t_opt = time.perf_counter() - t0
+    runs["middleware"] = lambda: opt(*xs)
+    out_bytes = ref.numel() * 4
+    in_bytes = sum(x.numel() * 4 for x in xs)
+    sink = _aligned(ref.numel())
+    ins_aligned = []
+    for x in xs:
+        a = _aligned(x.numel())
+        a.copy_(x.reshape(-1))
+        ins_aligned.append(a)
+    runs["stream"] = native.stream(ins_aligned, sink, nt=False)
+    runs["stream nt"] = native.stream(ins_aligned, sink, nt=True)
+    triad, triad_bytes = native.triad(16 * 1024 * 1024)
+    runs["triad"] = triad
+    with torch.inference_mode():
+        for k in ("eager nchw", "eager channels_last", "torch.compile", "middleware"):
+            if k not in runs:
+                continue
+            got = runs[k]()
+            assert isinstance(got, torch.Tensor)
+            scale = ref.abs().max().item() or 1.0
+            err = (got - ref).abs().max().item() / scale
+            assert err < 1e-5, f"{name} {layout} {k}: relative error {err}"
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    order = random.Random(hash((name, layout)) & 0xFFFF)
+    with torch.inference_mode():
+        for r in range(args.warmup + args.rounds):
+            keys = list(runs)
+            order.shuffle(keys)
+            for k in keys:
+                t0 = time.perf_counter()
+                runs[k]()
+                dt = time.perf_counter() - t0
+                if r >= args.warmup:
+                    times[k].append(dt)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    nbytes = in_bytes + out_bytes
+    torch_keys = [k for k in med if k.startswith(("eager", "torch.compile"))]
+    fastest = min(torch_keys, key=lambda k: med[k])
+    stream_t = min(med["stream"], med["stream nt"])
+    triad_gbs = triad_bytes / med["triad"] / 1e9
+    mw = med["middleware"]
+    return dict(
+        name=name,
+        layout=layout,
+        mb=nbytes / 1e6,
+        mw_ms=mw * 1e3,
+        mw_gbs=nbytes / mw / 1e9,
+        stream_gbs=nbytes / stream_t / 1e9,
+        stream_nt=med["stream nt"] < med["stream"],
+        pct_stream=100 * stream_t / mw,
+        triad_gbs=triad_gbs,
+        pct_triad=100 * nbytes / mw / 1e9 / triad_gbs,
+        torch_ms=med[fastest] * 1e3,
+        torch_what=fastest,
+        speedup=med[fastest] / mw,
+        t_opt=t_opt,
+        groups=_groups(opt),
+    )
+
+
+def _groups(opt: object) -> str:
+    """How optimize() ran the pattern: the report's group lines, compacted."""
+    try:
+        text = str(opt.report())  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - the report is informative only
+        return "?"
+    runs = [ln.split()[2] for ln in text.splitlines() if ln.strip()[:1].isdigit()]
+    return "+".join(runs) or "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--patterns", nargs="*", default=None)
+    ap.add_argument("--layouts", nargs="*", default=["nchw", "nhwc"])
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile")
+    ap.add_argument("--cache-dir", type=Path, default=None)
+    args = ap.parse_args()
+    cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="mw-io-"))
+    native = Native(cache)
+    pats = patterns(args.batch)
+    chosen = args.patterns or list(pats)
+    rows = []
+    for name in chosen:
+        factory, shapes = pats[name]
+        for layout in args.layouts:
+            rows.append(bench_case(name, layout, factory, shapes, native, args, cache))
+            r = rows[-1]
+            print(
+                f"  {name} {layout}: {r['pct_stream']:.0f}% of stream, triad "
+                f"{r['triad_gbs']:.1f} GB/s",
+                flush=True,
+            )
+    print(
+        f"\nmedians of {args.rounds} rounds after {args.warmup} warm-up, interleaved in random "
+        f"order; batch {args.batch}, float32, {torch.get_num_threads()} torch threads"
+    )
+    head = (
+        f"{'pattern':15s} {'layout':6s} {'MB':>6s} {'mw ms':>7s} {'mw GB/s':>8s} "
+        f"{'stream GB/s':>11s} {'% stream':>8s} {'triad GB/s':>10s} {'% triad':>7s} "
+        f"{'torch ms':>8s} {'x torch':>7s}  fastest torch"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['name']:15s} {r['layout']:6s} {r['mb']:6.1f} {r['mw_ms']:7.2f} "
+            f"{r['mw_gbs']:8.1f} {r['stream_gbs']:10.1f}{'*' if r['stream_nt'] else ' '} "
+            f"{r['pct_stream']:7.0f}% {r['triad_gbs']:10.1f} {r['pct_triad']:6.0f}% "
+            f"{r['torch_ms']:8.2f} {r['speedup']:7.2f}  {r['torch_what']}"
+        )
+    print("(* the streaming kernel was faster with non-temporal stores)")
+    worst = min(rows, key=lambda r: r["pct_stream"])
+    print(
+        f"worst: {worst['name']} {worst['layout']} at {worst['pct_stream']:.0f}% of the "
+        f"streaming bound (target >= 90%)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,426 @@
+"""The C text of one schedule stage (issue 18: I/O kernels at memory speed).
+
+Three things on top of the schedule's loop nest (which every backend shares):
+
+* **Hoisting.** A subexpression with an expensive function (``loops.EXPENSIVE_FUNCTIONS``:
+  sigmoid, exp, division, ...) whose loads do not depend on some of the enclosing loops is
+  computed where it stops varying: a scalar when it does not depend on the inner (SIMD)
+  loop either, else a row over the inner loop's range (``float hoist<k>[extent]``). The
+  SE gate ``x * sigmoid(s)`` (``s`` of shape N,C,1,1) computes N*C sigmoids, not one per
+  element (gcc does not hoist ``expf`` itself: it may set ``errno``).
+* **Guard-free interior of windows.** For a reduction stage (pooling, depthwise conv) the
+  output points whose window lies wholly inside the input (the *interior*, a box found by
+  evaluating ``Reduction.point_loops`` on the stage's index space at render time) run a
+  point form: one SIMD loop over the inner dim whose body is the window's taps unrolled
+  (constant window offsets, no bounds, the accumulator in a register; neighbouring taps
+  load neighbouring vectors, which the compiler shares between them). Where the inner dim
+  carries a window (NCHW) its border columns are peeled off (a short loop of the point
+  form with the window's own bounds on each side). Border rows and columns of the other
+  dims run the schedule's general nest (accumulator row, window loops with bounds).
+* **NaN-propagating max without a select per tap.** In the unrolled interior a max
+  reduction is ``x > y ? x : y`` (one ``vmaxps``) over the taps plus one unordered compare
+  per pair of taps (``__builtin_isunordered``); a NaN anywhere in the window gives NaN, as
+  PyTorch's max-pooling does. min likewise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+
+from ...index_expr import Int, Ix, Op, Var, evaluate, to_c, variables
+from ...loops import DIMS, EXPENSIVE_FUNCTIONS, Acc, Call, Expr, Load, ParamVec
+from ...passes.schedule_ir import ORDER, Loop, Schedule, Stage
+from .cfuncs import c_expr
+
+# Unroll a window's taps in the interior only up to this many taps (7x7 = 49).
+MAX_UNROLLED_TAPS = 49
+HOIST_PREFIX = "hoist"
+# The longest row of a hoisted subexpression (floats, on the stack).
+MAX_HOIST_ROW = 16384
+
+
+def subst_ix(x: Ix, env: dict[str, int]) -> Ix:
+    """``x`` with the variables of ``env`` replaced by constants."""
+    if isinstance(x, Var):
+        return Int(env[x.name]) if x.name in env else x
+    if isinstance(x, Op):
+        return Op(x.op, tuple(subst_ix(a, env) for a in x.args))
+    return x
+
+
+def subst_expr(e: Expr, env: dict[str, int]) -> Expr:
+    """``e`` with the window variables of ``env`` fixed in every load and parameter index."""
+    if isinstance(e, Load):
+        return Load(e.value, tuple(subst_ix(i, env) for i in e.index))  # type: ignore[arg-type]
+    if isinstance(e, ParamVec):
+        return ParamVec(e.name, e.data, subst_ix(e.index, env))  # type: ignore[arg-type]
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(subst_expr(a, env) for a in e.args))
+    return e
+
+
+def expr_vars(e: Expr) -> set[str] | None:
+    """The index variables ``e`` reads (None when it reads the accumulator)."""
+    if isinstance(e, Acc):
+        return None
+    if isinstance(e, Load):
+        out: set[str] = set()
+        for i in e.index:
+            out |= variables(i)  # type: ignore[arg-type]
+        return out
+    if isinstance(e, ParamVec):
+        return set(variables(e.index))  # type: ignore[arg-type]
+    if isinstance(e, Call):
+        out = set()
+        for a in e.args:
+            v = expr_vars(a)
+            if v is None:
+                return None
+            out |= v
+        return out
+    return set()
+
+
+def _expensive(e: Expr) -> bool:
+    return isinstance(e, Call) and (
+        e.fn in EXPENSIVE_FUNCTIONS or any(_expensive(a) for a in e.args)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Hoist:
+    """A subexpression computed once per iteration of ``loops[:level + 1]`` (level -1:
+    once per stage), into a scalar or, when ``row``, a row over the inner loop."""
+
+    ident: str
+    expr: Expr
+    level: int
+    row: bool
+
+
+def find_hoists(
+    expr: Expr, loops: tuple[Loop, ...], inner: Loop, first: int, row_extent: int
+) -> tuple[Expr, list[Hoist]]:
+    """``expr`` with its hoistable expensive subexpressions replaced by loads of
+    ``__hoist<k>`` (k from ``first``), and the hoists."""
+    outer = [lp.var for lp in loops]
+    hoists: list[Hoist] = []
+
+    def visit(e: Expr) -> Expr:
+        if not isinstance(e, Call):
+            return e
+        vs = expr_vars(e)
+        if vs is not None and _expensive(e):
+            deepest = max((outer.index(v) for v in vs if v in outer), default=-1)
+            row = inner.var in vs
+            bound_vars = variables(inner.lo) | variables(inner.hi)
+            ok_row = not row or (
+                row_extent <= MAX_HOIST_ROW and not (bound_vars & set(outer[deepest + 1 :]))
+            )
+            if deepest < len(outer) - 1 and ok_row and vs <= set(outer) | {inner.var}:
+                h = Hoist(f"{HOIST_PREFIX}{first + len(hoists)}", e, deepest, row)
+                hoists.append(h)
+                return Load(h.ident, (Var(inner.var),) * 4)  # type: ignore[arg-type]
+        return Call(e.fn, tuple(visit(a) for a in e.args))
+
+    return visit(expr), hoists
+
+
+# ------------------------------------------------------------------- the interior
+@dataclasses.dataclass(frozen=True)
+class Interior:
+    """The box of output points whose whole window is inside the input: per logical dim
+    ``(lo, hi)`` (None: the whole dim), the window offsets of every tap, and the divisor
+    there (an int, or None for the schedule's tree)."""
+
+    box: tuple[tuple[int, int] | None, ...]
+    taps: tuple[dict[str, int], ...]
+    divisor: int | None
+
+
+def find_interior(st: Stage, shape: tuple[int, int, int, int]) -> Interior | None:
+    """The interior of reduction stage ``st`` over its value of logical ``shape``, or None
+    (no window, window bounds that depend on each other, too many taps, no interior)."""
+    red = st.reduction
+    if red is None or not red.point_loops:
+        return None
+    kvars = [lp.var for lp in red.point_loops]
+    grid = {
+        d: np.arange(s).reshape([-1 if i == k else 1 for i in range(4)])
+        for k, (d, s) in enumerate(zip(DIMS, shape, strict=True))
+    }
+    lows, highs = [], []
+    for lp in red.point_loops:
+        if (variables(lp.lo) | variables(lp.hi)) & set(kvars):
+            return None
+        lo = np.broadcast_to(evaluate(lp.lo, grid), shape)
+        hi = np.broadcast_to(evaluate(lp.hi, grid), shape)
+        lows.append(lo)
+        highs.append(hi)
+    full = [(int(lo.min()), int(hi.max())) for lo, hi in zip(lows, highs, strict=True)]
+    ntaps = int(np.prod([b - a + 1 for a, b in full]))
+    if ntaps > MAX_UNROLLED_TAPS or ntaps <= 0:
+        return None
+    mask = np.ones(shape, dtype=bool)
+    for (a, b), lo, hi in zip(full, lows, highs, strict=True):
+        mask &= (lo == a) & (hi == b)
+    box: list[tuple[int, int] | None] = []
+    sl = []
+    for d in range(4):
+        axes = tuple(i for i in range(4) if i != d)
+        idx = np.nonzero(mask.any(axis=axes))[0]
+        if idx.size == 0:
+            return None
+        a, b = int(idx[0]), int(idx[-1])
+        box.append(None if (a, b) == (0, shape[d] - 1) else (a, b))
+        sl.append(slice(a, b + 1))
+    inside = mask[tuple(sl)]
+    if not inside.all():
+        return None
+    divisor: int | None = None
+    if red.divisor is not None:
+        dv = np.broadcast_to(evaluate(red.divisor, grid), shape)[tuple(sl)]
+        if dv.min() == dv.max():
+            divisor = int(dv.min())
+    taps = tuple(
+        dict(zip(kvars, ks, strict=True))
+        for ks in itertools.product(*[range(a, b + 1) for a, b in full])
+    )
+    return Interior(tuple(box), taps, divisor)
+
+
+# --------------------------------------------------------------------- rendering
+_IDENTITY = {"max": float("-inf"), "min": float("inf"), "sum": 0.0}
+
+
+class StageWriter:
+    """The C text of the stages of one schedule (``write(st)`` per stage, then ``decls``:
+    the per-tile declarations the hoisted rows need, and ``text``)."""
+
+    def __init__(
+        self,
+        s: Schedule,
+        load: Callable[[Load], str],
+        param: Callable[[ParamVec], str],
+        address: Callable[[Stage], str],
+        table: dict[str, str],
+        c_float: Callable[[float], str],
+    ) -> None:
+        self.s = s
+        self._load = load
+        self.param = param
+        self.address = address
+        self.table = table
+        self.c_float = c_float
+        self.lines: list[str] = []
+        self.decls: list[str] = []
+        self.rows: dict[str, str] = {}  # hoisted row -> its first inner index's name
+        self.scalars: set[str] = set()
+        self.nhoist = 0
+        self.inner_dim = ORDER[s.layout][-1]
+
+    # ------------------------------------------------------------ text helpers
+    def emit(self, depth: int, text: str) -> None:
+        for line in text.splitlines():
+            self.lines.append("  " * depth + line)
+
+    @staticmethod
+    def tidy(x: Ix) -> str:
+        t = to_c(x)
+        return t if isinstance(x, Var | Int) else f"({t})"
+
+    def load(self, x: Load) -> str:
+        if x.value in self.rows:
+            v = x.index[0].name  # type: ignore[union-attr]
+            return f"{x.value}[{v} - {self.rows[x.value]}]"
+        if x.value in self.scalars:
+            return x.value
+        return self._load(x)
+
+    def expr(self, e: Expr) -> str:
+        return c_expr(e, self.load, table=self.table, param=self.param)
+
+    def open_loops(self, loops: tuple[Loop, ...], depth: int) -> None:
+        for i, lp in enumerate(loops):
+            self.emit(
+                depth + i,
+                f"for (int {lp.var} = {self.tidy(lp.lo)}; {lp.var} <= {self.tidy(lp.hi)}; "
+                f"++{lp.var}) {{",
+            )
+
+    def close_loops(self, n: int, depth: int) -> None:
+        for i in reversed(range(n)):
+            self.emit(depth + i, "}")
+
+    def store(self, st: Stage, value: str) -> str:
+        return f"{self.address(st)} = {value};"
+
+    # ------------------------------------------------------------------ stages
+    def write(self, st: Stage, depth: int) -> None:
+        target = self.s.buffer(st.target)
+        expr, hoists = find_hoists(
+            st.expr, st.loops, st.inner, self.nhoist, target.extent[self.inner_dim]
+        )
+        self.nhoist += len(hoists)
+        if st.guard is not None:
+            self.emit(depth, f"if ({to_c(st.guard)}) {{")
+            depth += 1
+        for h in hoists:
+            if h.level < 0:
+                self.write_hoist(h, st.inner, depth, target.extent[self.inner_dim])
+        for i, lp in enumerate(st.loops):
+            self.open_loops((lp,), depth + i)
+            for h in hoists:
+                if h.level == i:
+                    self.write_hoist(h, st.inner, depth + i + 1, target.extent[self.inner_dim])
+        d = depth + len(st.loops)
+        if st.reduction is None:
+            self.emit(d, "#pragma omp simd")
+            self.emit(
+                d, self.for_line(st.inner.var, self.tidy(st.inner.lo), self.tidy(st.inner.hi))
+            )
+            self.emit(d + 1, self.store(st, self.expr(expr)))
+        else:
+            interior = find_interior(st, target.shape)
+            if interior is None:
+                self.general(st, expr, d)
+            else:
+                outer = [
+                    (DIMS[k], b)
+                    for k, b in enumerate(interior.box)
+                    if b is not None and k != self.inner_dim
+                ]
+                cond = " && ".join(f"{v} >= {a} && {v} <= {b}" for v, (a, b) in outer)
+                if cond:
+                    self.emit(d, f"if ({cond}) {{")
+                    self.fast(st, expr, interior, d + 1)
+                    self.emit(d, "} else {")
+                    self.general(st, expr, d + 1)
+                    self.emit(d, "}")
+                else:
+                    self.fast(st, expr, interior, d)
+        self.close_loops(len(st.loops), depth)
+        if st.guard is not None:
+            self.emit(depth - 1, "}")
+
+    @staticmethod
+    def for_line(var: str, lo: str, hi: str) -> str:
+        return f"for (int {var} = {lo}; {var} <= {hi}; ++{var})"
+
+    def write_hoist(self, h: Hoist, inner: Loop, depth: int, extent: int) -> None:
+        if not h.row:
+            self.emit(depth, f"const float {h.ident} = {self.expr(h.expr)};")
+            self.scalars.add(h.ident)
+            return
+        self.decls.append(f"float {h.ident}[{extent}] __attribute__((aligned(64)));")
+        lo = f"{h.ident}_lo"
+        self.emit(depth, f"const int {lo} = {self.tidy(inner.lo)};")
+        self.emit(depth, "#pragma omp simd")
+        self.emit(depth, self.for_line(inner.var, lo, self.tidy(inner.hi)))
+        self.emit(depth + 1, f"{h.ident}[{inner.var} - {lo}] = {self.expr(h.expr)};")
+        self.rows[h.ident] = lo
+
+    def _accumulate(self, op: str, a: str, body: str) -> str:
+        if op == "sum":
+            return f"{a} + {body}"
+        return self.table[op].format(a, body)
+
+    def _divide(self, st: Stage, value: str, divisor: int | None) -> str:
+        red = st.reduction
+        assert red is not None
+        if red.divisor is None:
+            return value
+        if divisor is not None:
+            return f"{value} / {self.c_float(float(divisor))}"
+        return f"{value} / (float)({to_c(red.divisor)})"
+
+    def general(self, st: Stage, expr: Expr, d: int) -> None:
+        """The schedule's nest: an accumulator row over the inner loop, the window loops
+        with their bounds, then the epilogue over the row."""
+        red = st.reduction
+        assert red is not None
+        inner = st.inner
+        self.emit(d, f"const int acc0 = {self.tidy(inner.lo)};")
+        self.emit(d, "#pragma omp simd")
+        self.emit(d, self.for_line(inner.var, "acc0", self.tidy(inner.hi)))
+        self.emit(d + 1, f"acc[{inner.var} - acc0] = {self.c_float(red.init)};")
+        self.open_loops(red.loops, d)
+        d2 = d + len(red.loops)
+        ri = red.inner
+        a = f"acc[{ri.var} - acc0]"
+        self.emit(d2, "#pragma omp simd")
+        self.emit(d2, self.for_line(ri.var, self.tidy(ri.lo), self.tidy(ri.hi)))
+        self.emit(d2 + 1, f"{a} = {self._accumulate(red.op, a, self.expr(red.body))};")
+        self.close_loops(len(red.loops), d)
+        self.emit(d, "#pragma omp simd")
+        self.emit(d, self.for_line(inner.var, "acc0", self.tidy(inner.hi)) + " {")
+        value = self._divide(st, f"acc[{inner.var} - acc0]", None)
+        self.emit(d + 1, f"const float acc_v = {value};")
+        self.emit(d + 1, self.store(st, self.expr(expr)))
+        self.emit(d, "}")
+
+    def fast(self, st: Stage, expr: Expr, interior: Interior, d: int) -> None:
+        """The interior: the inner loop split into its border columns (point form with
+        window bounds) and the middle (taps unrolled, no bounds)."""
+        inner = st.inner
+        v = inner.var
+        self.emit(d, "{")
+        self.emit(
+            d + 1, f"const int lo_{v} = {self.tidy(inner.lo)}, hi_{v} = {self.tidy(inner.hi)};"
+        )
+        box = interior.box[self.inner_dim]
+        if box is None:
+            self.middle(st, expr, interior, d + 1, f"lo_{v}", f"hi_{v}")
+        else:
+            a, b = box
+            self.border(st, expr, d + 1, f"lo_{v}", f"min(hi_{v}, {a - 1})")
+            self.middle(st, expr, interior, d + 1, f"max(lo_{v}, {a})", f"min(hi_{v}, {b})")
+            self.border(st, expr, d + 1, f"max(lo_{v}, {b + 1})", f"hi_{v}")
+        self.emit(d, "}")
+
+    def border(self, st: Stage, expr: Expr, d: int, lo: str, hi: str) -> None:
+        red = st.reduction
+        assert red is not None
+        self.emit(d, self.for_line(st.inner.var, lo, hi) + " {")
+        self.emit(d + 1, f"float a = {self.c_float(red.init)};")
+        self.open_loops(red.point_loops, d + 1)
+        d2 = d + 1 + len(red.point_loops)
+        self.emit(d2, f"a = {self._accumulate(red.op, 'a', self.expr(red.body))};")
+        self.close_loops(len(red.point_loops), d + 1)
+        self.emit(d + 1, f"const float acc_v = {self._divide(st, 'a', None)};")
+        self.emit(d + 1, self.store(st, self.expr(expr)))
+        self.emit(d, "}")
+
+    def middle(self, st: Stage, expr: Expr, interior: Interior, d: int, lo: str, hi: str) -> None:
+        red = st.reduction
+        assert red is not None
+        self.emit(d, "#pragma omp simd")
+        self.emit(d, self.for_line(st.inner.var, lo, hi) + " {")
+        names = []
+        for i, env in enumerate(interior.taps):
+            self.emit(d + 1, f"const float x{i} = {self.expr(subst_expr(red.body, env))};")
+            names.append(f"x{i}")
+        if red.init != _IDENTITY.get(red.op):
+            self.emit(d + 1, f"const float x{len(names)} = {self.c_float(red.init)};")
+            names.append(f"x{len(names)}")
+        if red.op == "sum":
+            value = " + ".join(names)
+        elif red.op in ("max", "min"):
+            cmp = ">" if red.op == "max" else "<"
+            value = names[0]
+            self.emit(d + 1, f"float m = {names[0]};")
+            for x in names[1:]:
+                self.emit(d + 1, f"m = m {cmp} {x} ? m : {x};")
+            pairs = [names[i : i + 2] for i in range(0, len(names), 2)]
+            nan = " | ".join(f"__builtin_isunordered({p[0]}, {p[-1]})" for p in pairs)
+            self.emit(d + 1, f"const int any_nan = {nan};")
+            value = "any_nan ? NAN : m"
+        else:
+            raise ValueError(f"unknown reduction {red.op!r}")
+        self.emit(d + 1, f"const float acc_v = {self._divide(st, f'({value})', interior.divisor)};")
+        self.emit(d + 1, self.store(st, self.expr(expr)))
+        self.emit(d, "}")
