@@ -12,7 +12,8 @@
 # 4. chain    : bench/gpu_chain.py: BN -> ReLU -> MaxPool 3x3/2 on 16x64x112x112 fp32,
 #               eager (cudnn.benchmark, NCHW/channels_last), torch.compile, middleware,
 #               and the device-to-device copy bandwidth; bench/gpu_diag.py: the chain's
-#               kernel variants (tiled / one thread per output, parts left out);
+#               kernel variants (parts of the chain left out); bench/gpu_overhead.py: the
+#               host time per call of step-by-step plans against their GPU time;
 # 5. zoo      : bench/zoo.py --device cuda if it has that option and a --budget-s, else
 #               bench/gpu_zoo.py: eleven torchvision networks at batch 16 within a budget:
 #               eager (NCHW, channels_last), torch.compile (reduce-overhead, default,
@@ -88,11 +89,13 @@ fi
 
 # 3. tests
 step tests 120 "$RES/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider \
-  -m "not slow or gpu" tests/test_cuda_gpu.py
+  -m "not slow or gpu" tests/test_cuda_gpu.py tests/test_cuda_loader.py
 
 # 4. chain, and variants of its kernel (tiled / one thread per output, parts left out)
 step chain 90 "$RES/chain.log" "$PY" bench/gpu_chain.py --out "$RES/chain.json"
 step variants 45 "$RES/chain.log" "$PY" bench/gpu_diag.py --nets ""
+# host time per call of step-by-step plans against their GPU time (bench/gpu_overhead.py)
+step overhead 60 "$RES/chain.log" "$PY" bench/gpu_overhead.py
 
 # 5. zoo: what is left of the budget (8 minutes unless MW_GPU_CHECK_S says otherwise)
 LEFT=$((${MW_GPU_CHECK_S:-470} - ($(date +%s) - T0)))
