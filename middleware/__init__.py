@@ -2,6 +2,7 @@
 
 import middleware
 optimized = middleware.optimize(model, device="cpu")
+compiled = torch.compile(model, backend="middleware", options={"device": "cpu"})
 """
 
 from .api import (
@@ -12,6 +13,8 @@ from .api import (
     trace,
     unregister_algorithm,
 )
+from .compile_backend import Backend, compile_report
+from .compile_backend import register_when_dynamo_loads as _register_backend
 from .errors import (
     CompileError,
     DeviceError,
@@ -30,6 +33,7 @@ from .profiler import ProfileResult, profile
 from .version import __version__ as __version__
 
 __all__ = [
+    "Backend",
     "CompileError",
     "DeviceError",
     "Graph",
@@ -47,9 +51,13 @@ __all__ = [
     "TrainingModeError",
     "UnsupportedError",
     "available_backends",
+    "compile_report",
     "optimize",
     "profile",
     "register_algorithm",
     "trace",
     "unregister_algorithm",
 ]
+
+# torch.compile(backend="middleware"): registered once TorchDynamo's registry loads
+_register_backend()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -11,12 +11,12 @@ import torch.nn as nn
 
 from .backends import backend_for, describe_available
 from .backends.vendor import Layer, check_selection, register_algorithm, unregister_algorithm
+from .capture import compile_or_capture
 from .errors import DeviceError, OptionsError, TrainingModeError
 from .frontends import trace as _trace
 from .graph import Graph
 from .options import Options, default_cache_dir, selection_pairs
 from .passes import pass_names
-from .pipeline import compile_model
 from .runtime.module import OptimizedModule
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -24,6 +24,7 @@ DEVICES = ("cpu", "cuda", "auto")
 __all__ = [
     "Layer",
     "available_backends",
+    "make_options",
     "optimize",
     "register_algorithm",
     "resolve_device",
@@ -70,7 +71,9 @@ def optimize(
     ``layout``, ``fuse``, ``algorithms``, ...) are the fields of :class:`middleware.Options`;
     ``algorithms={"conv2d": sel}`` picks each convolution's algorithm (a name, a list by
     layer, or a callable on a :class:`Layer`; see ``backends/vendor/algorithms.py``).
-    The original model is never modified.
+    The original model is never modified. A model ``torch.fx`` cannot trace (data-dependent
+    control flow) is captured through TorchDynamo instead: its subgraphs are optimized, the
+    Python between them runs as written, and ``report()`` lists both.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes a torch.nn.Module, got {type(model).__name__}")
@@ -79,6 +82,19 @@ def optimize(
             f"{type(model).__name__} is in training mode; training is not yet supported. "
             "Call model.eval() before optimize()"
         )
+    o = make_options(device, cache_dir, options)
+    return OptimizedModule(model, o, compile_or_capture, example_inputs)
+
+
+def make_options(
+    device: str | torch.device = "cpu",
+    cache_dir: str | Path | None = None,
+    options: Mapping[str, object] | None = None,
+) -> Options:
+    """The ``Options`` of ``optimize(model, device, cache_dir=..., **options)``, every value
+    checked (``TypeError`` for an unknown name, ``OptionsError`` for a bad value,
+    ``DeviceError`` for a device this machine lacks)."""
+    options = dict(options or {})
     fields = {f.name for f in dataclasses.fields(Options)}
     unknown = sorted(set(options) - fields)
     if unknown:
@@ -96,10 +112,9 @@ def optimize(
             f"algorithms= chooses algorithms on the CPU only; the {resolved} backend runs "
             "its vendor calls (cuDNN/cuBLAS) without a choice yet"
         )
-    o = Options(
+    return Options(
         device=resolved, cache_dir=Path(cache_dir) if cache_dir else default_cache_dir(), **opts
     )  # type: ignore[arg-type]
-    return OptimizedModule(model, o, compile_model, example_inputs)
 
 
 LAYOUTS = ("auto", "nchw", "nhwc")

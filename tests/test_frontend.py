@@ -195,27 +195,23 @@ class DataDependent(nn.Module):
         return y - 1
 
 
-def test_untraceable_model_runs_as_the_original(tree_close) -> None:
+def test_untraceable_model_is_captured_through_dynamo(tree_close) -> None:
+    """fx gives up on data-dependent control flow; optimize() captures the model through
+    TorchDynamo instead (tests/test_dynamo_capture.py has the details)."""
     model = DataDependent().eval()
     with pytest.raises(TraceError, match="control flow"):
         middleware.trace(model, torch.randn(1, 3, 4, 4))
 
     optimized = middleware.optimize(model)
-    x = torch.randn(2, 3, 4, 4)
-    with pytest.warns(UserWarning, match=r"DataDependent.*original.*control flow"):
-        out = optimized(x)
-    tree_close(out, model(x), OPT_RTOL, OPT_ATOL)
     for sign in (1.0, -1.0):  # both branches, decided per call like the original
         x = torch.full((1, 3, 4, 4), sign)
         with torch.no_grad():
             tree_close(optimized(x), model(x), OPT_RTOL, OPT_ATOL)
 
     report = optimized.report()
-    assert len(report.rows) == 1
-    row = report.rows[0]
-    assert (row.node, row.op, row.runs_as) == ("DataDependent", "model", "fallback")
-    assert "torch.fx could not trace DataDependent" in row.reason and "control flow" in row.reason
-    assert "runs as the original PyTorch code" in str(report)
+    assert report.subgraphs and report.breaks
+    assert "torch.fx could not trace DataDependent" in str(report)
+    assert "control flow" in report.breaks[0].reason
 
 
 def test_untraceable_model_strict_raises() -> None:
@@ -224,12 +220,9 @@ def test_untraceable_model_strict_raises() -> None:
         optimized(torch.randn(1, 3, 4, 4))
 
 
-def test_untraceable_model_with_example_inputs_warns_at_optimize() -> None:
-    with pytest.warns(UserWarning, match="control flow"):
-        optimized = middleware.optimize(
-            DataDependent().eval(), example_inputs=torch.randn(1, 3, 2, 2)
-        )
-    assert optimized.report().rows[0].runs_as == "fallback"
+def test_untraceable_model_with_example_inputs_captures_at_optimize() -> None:
+    optimized = middleware.optimize(DataDependent().eval(), example_inputs=torch.randn(1, 3, 2, 2))
+    assert optimized.report().subgraphs
 
 
 def test_shape_dependent_control_flow_is_specialised(tree_close) -> None:
