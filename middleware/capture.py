@@ -282,7 +282,28 @@ class DynamoPlan:
     ``torch.compile`` with a ``Capture`` backend (static shapes: one capture per input
     signature). ``entry`` is the ``Compiled`` record whose report it keeps current."""
 
+    # what runtime/profile.py asks of a plan: the subgraphs' own plans are not broken out
     steps: tuple = ()
+    graph = None
+    arena_bytes = 0
+
+    def arenas(self) -> list:
+        return []
+
+    def param_tensors(self) -> list:
+        return []
+
+    def step_times(self, inputs: Sequence[torch.Tensor], repeats: int) -> list:
+        return []
+
+    def step_placements(self) -> list:
+        return []
+
+    def step_out_bytes(self) -> list:
+        return []
+
+    def predicted_peak_io(self) -> None:
+        return None
 
     def __init__(self, model: nn.Module, capture: Capture, compiled: Callable[..., Any], why: str):
         self.model = model

@@ -87,10 +87,12 @@ def test_generated_source_is_sync_free_and_coalesced():
         graph, names = CASES["bn_relu_maxpool"](layout)
         src = render_schedule(schedule_of(graph, names), FAKE_GPU).source
         assert "__syncthreads" not in src and "__shared__" not in src
-        decomp = re.findall(r"const int ([nchw]) = \(int\)\((.*?)\);", src)
-        assert decomp[-1][0] == "nchw"[inner] and decomp[-1][1] == "(r) % " + str(
+        # a window kernel: ILP elements a grid stride apart, each decomposed the same way
+        decomp = re.findall(r"const int ([nchw])0 = \(int\)\((.*?)\);", src)
+        assert decomp[-1][0] == "nchw"[inner] and decomp[-1][1] == "(r0) % " + str(
             graph.values[graph.output_values()[0]].shape[inner]
         )
+        assert "q += 2 * step" in src and "r1 = q + 1 * step" in src
 
 
 def test_launch_config_comes_from_the_hardware():

@@ -317,3 +317,34 @@ def test_group_with_two_outputs_runs_as_one_kernel_per_output(case, tmp_path):
     graph, units = _units(case, "nchw", tmp_path)
     generated = [u for u in units if u.runs_as == "generated"]
     assert len(generated) == 2 and all(len(u.outputs) == 1 for u in generated)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grid_stride_iterations_and_the_clamped_tail(layout, cache_dir):
+    """More outputs than twice the grid's threads: each thread takes ILP elements a grid
+    stride apart over several iterations, the last one's second element past the end
+    (clamped, not stored). One SM's grid (8192 threads) over 19600 outputs."""
+    import dataclasses
+
+    import torch.nn as nn
+
+    import middleware
+    from middleware.backends.cuda.render import ILP
+    from middleware.graph import TensorType
+    from middleware.passes.schedule import schedule_group
+
+    model = nn.Sequential(nn.ReLU(), nn.MaxPool2d(3, 2, 1)).eval()
+    x = torch.randn(2, 8, 70, 70)
+    graph = middleware.trace(model, x)
+    if layout == "nhwc":
+        for v, t in list(graph.values.items()):
+            if t.rank == 4:
+                graph.values[v] = TensorType(t.shape, t.dtype, "nhwc")
+        x = x.contiguous(memory_format=torch.channels_last)
+    hw = dataclasses.replace(FAKE_GPU, cores=1)
+    names = [n.name for n in graph.nodes()]
+    kernel = emulate_schedule(schedule_group(graph, names, hw), hw, cache_dir)
+    launch = kernel.rendered.launch
+    threads = launch.grid * launch.block
+    assert ILP == 2 and 2 * threads < 19600 < 4 * threads  # two iterations, a clamped tail
+    torch.testing.assert_close(kernel(x), model(x), rtol=1e-6, atol=1e-6)

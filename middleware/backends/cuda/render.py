@@ -49,6 +49,12 @@ BLOCKS_PER_SM = 32
 # BN -> ReLU kernel moved 51% of the copy bandwidth one element per thread, instruction-
 # bound; 83% with 4 per thread and the batch-norm as a multiply-add.)
 VECTOR = 4
+# Elements per thread per grid-stride iteration where one thread computes one element
+# (windows, concats, reshapes): ``ILP`` elements a grid stride apart, so that a warp's
+# accesses stay as coalesced as with one, while each thread has the loads of ``ILP``
+# independent elements in flight (a streaming kernel with one element per thread waits on
+# one load at a time).
+ILP = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,17 +316,32 @@ def vector_width(s: Schedule) -> int:
     return VECTOR if out.shape[_innermost(out)] % VECTOR == 0 else 1
 
 
-def _decompose(shape: tuple[int, ...], order: tuple[int, ...]) -> list[dict[str, str]]:
-    """C expressions for the logical coordinates of memory-order index ``r``."""
+def _decompose(
+    shape: tuple[int, ...], order: tuple[int, ...], var: str = "r"
+) -> list[dict[str, str]]:
+    """C expressions for the logical coordinates of memory-order index ``var``."""
     out = []
     inner = 1
     for pos in range(len(order) - 1, -1, -1):
         d = order[pos]
-        div = "r" if inner == 1 else f"r / {inner}"
+        div = var if inner == 1 else f"{var} / {inner}"
         expr = div if pos == 0 else f"({div}) % {shape[d]}"
         out.append({"name": DIMS[d], "expr": "0" if shape[d] == 1 else expr})
         inner *= shape[d]
     return list(reversed(out))
+
+
+def _ilp_element(out: Buffer, order: tuple[int, ...], k: int) -> dict:
+    """The ``k``-th of a thread's ``ILP`` elements in one grid-stride iteration: its index
+    (``q + k * step``, clamped to ``q`` past the end), coordinates ``n<k>, c<k>, ...``."""
+    r = f"r{k}"
+    total = out.elements
+    init = "q" if k == 0 else f"q + {k} * step < {total} ? q + {k} * step : q"
+    dec = _decompose(out.shape, order, r)
+    for d in dec:
+        d["name"] = f"{d['name']}{k}"
+    # the element function takes (n, c, h, w), whatever the memory order
+    return {"r": r, "init": init, "decompose": dec, "args": ", ".join(f"{d}{k}" for d in DIMS)}
 
 
 def _param_text(p: ParamVec, per_line: int = 6) -> str:
@@ -350,8 +371,11 @@ def render_schedule(
     for k in range(vec):
         calls.append(", ".join(f"{d} + {k}" if d == inner and k else d for d in DIMS))
     total = out.elements
-    launch = launch_config(total // vec, hardware)
-    big = total + launch.grid * launch.block >= 2**31 or any(b.elements >= 2**31 for b in s.buffers)
+    ilp = ILP if vec == 1 else 1
+    launch = launch_config(-(-(total // vec) // ilp), hardware)  # threads: ilp elements each
+    big = total + ilp * launch.grid * launch.block >= 2**31 or any(
+        b.elements >= 2**31 for b in s.buffers
+    )
     ins = [s.buffer(n) for n in s.inputs]
     name = kernel_name(s, name)
     source = (
@@ -376,11 +400,13 @@ def render_schedule(
                 "type": str(tensor_type(out)),
                 "order_text": ", ".join(DIMS[d] for d in order),
                 "decompose": _decompose(out.shape, order),
+                "ilp": [_ilp_element(out, order, k) for k in range(ilp)],
                 "calls": calls,
             },
             functions=functions,
             total=total,
             vec=vec,
+            ilp=ilp,
             index_t="long long" if big else "int",
             grid=launch.grid,
             block=launch.block,
