@@ -59,9 +59,13 @@ class Affine(nn.Module):
 
 def chain_variants(shape: tuple[int, ...], cache: Path) -> None:
     """Kernel-only time of the chain's generated kernel and of variants without parts of
-    it, in both layouts, to place the time inside the kernel."""
+    it, in both layouts, with one and two elements per thread per grid-stride iteration
+    (``render.ILP``), to place the time inside the kernel."""
     from gpu_chain import Chain, _kernel_modes, copy_bandwidth, time_modes
 
+    from middleware.backends.cuda import render
+
+    default_ilp = render.ILP
     n, c, h, w = shape
     variants = {
         "bn_relu_pool": Chain(c),
@@ -79,7 +83,11 @@ def chain_variants(shape: tuple[int, ...], cache: Path) -> None:
             for mod in m.modules():
                 if isinstance(mod, nn.BatchNorm2d):
                     mod.running_var.uniform_(0.5, 2.0)
-            fns = _kernel_modes(m, x, cache)
+            fns = {}
+            for ilp in (1, 2):  # elements per thread per grid-stride iteration (render.ILP)
+                render.ILP = ilp
+                fns.update({f"{k}_ilp{ilp}": f for k, f in _kernel_modes(m, x, cache).items()})
+            render.ILP = default_ilp
             ms = time_modes(fns, 30, 5)
             moved = (x.numel() + m(x).numel()) * 4
             print(
