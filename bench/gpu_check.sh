@@ -93,7 +93,7 @@ step tests 120 "$RES/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider \
 
 # 4. chain, and variants of its kernel (tiled / one thread per output, parts left out)
 step chain 90 "$RES/chain.log" "$PY" bench/gpu_chain.py --out "$RES/chain.json"
-step variants 45 "$RES/chain.log" "$PY" bench/gpu_diag.py --nets ""
+step variants 75 "$RES/chain.log" "$PY" bench/gpu_diag.py --nets ""
 # host time per call of step-by-step plans against their GPU time (bench/gpu_overhead.py)
 step overhead 60 "$RES/chain.log" "$PY" bench/gpu_overhead.py
 
