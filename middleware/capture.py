@@ -19,6 +19,7 @@ graph break with its reason (``CaptureReport``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import weakref
 from collections import Counter
@@ -305,8 +306,7 @@ class DynamoPlan:
     def predicted_peak_io(self) -> None:
         return None
 
-    def __init__(self, model: nn.Module, capture: Capture, compiled: Callable[..., Any], why: str):
-        self.model = model
+    def __init__(self, capture: Capture, compiled: Callable[..., Any], why: str) -> None:
         self.capture = capture
         self.compiled = compiled
         self.why = why
@@ -345,16 +345,15 @@ def _break_counts() -> Counter:
     return Counter(counters["graph_break"])
 
 
-# One capture per optimize() call (its Options object) and model: dynamo caches per code
-# object, and a new backend per input signature would spend dynamo's recompile limit on
-# backends instead of shapes. Dropped when the Options object (the OptimizedModule) goes.
-_CAPTURES: dict[tuple[int, int], tuple[Capture, Any]] = {}
+# One capture per model and optimize() call (its Options object), shared by the plans of
+# all its input signatures: dynamo caches per code object, and a new backend per signature
+# would spend dynamo's recompile limit on backends instead of shapes. The compiled function
+# is the model class's forward, called with the model as ``self``, so that nothing here
+# keeps the model alive.
+_CAPTURES: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Capture, Any, bool]]] = (
+    weakref.WeakKeyDictionary()
+)
 _CAPTURES_LOCK = threading.Lock()
-
-
-def _forget(key: tuple[int, int]) -> None:
-    with _CAPTURES_LOCK:
-        _CAPTURES.pop(key, None)
 
 
 def capture_model(
@@ -362,16 +361,25 @@ def capture_model(
 ) -> Compiled:
     """``model`` through TorchDynamo (see the module docstring), run once on ``inputs`` to
     capture its subgraphs; raises ``TraceError`` (both reasons) when dynamo fails too."""
-    key = (id(options), id(model))
     with _CAPTURES_LOCK:
-        found = _CAPTURES.get(key)
+        per_model = _CAPTURES.setdefault(model, {})
+        found = per_model.get(id(options))  # the entry holds options: its id stays unique
         if found is None:
             capture = Capture(options)
-            compiled = torch.compile(model, backend=capture, dynamic=False)
-            _CAPTURES[key] = found = (capture, compiled)
-            weakref.finalize(options, _forget, key)
-    capture, compiled = found
-    plan = DynamoPlan(model, capture, compiled, why)
+            method = model.forward
+            fn = (
+                getattr(method, "__func__", None)
+                if getattr(method, "__self__", None) is model
+                else None
+            )
+            if fn is None:  # a forward set on the instance: compiled as it is
+                forward = torch.compile(method, backend=capture, dynamic=False)
+            else:
+                forward = torch.compile(fn, backend=capture, dynamic=False)
+            per_model[id(options)] = found = (capture, forward, fn is not None)
+    capture, forward, unbound = found
+    compiled = functools.partial(_call, forward, weakref.ref(model)) if unbound else forward
+    plan = DynamoPlan(capture, compiled, why)
     try:
         with torch.no_grad():
             plan.run(inputs)
@@ -384,6 +392,10 @@ def capture_model(
     plan.entry = entry
     plan._seen = len(capture._subgraphs)
     return entry
+
+
+def _call(forward: Callable[..., Any], model: weakref.ref[nn.Module], *inputs: Any) -> Any:
+    return forward(model(), *inputs)
 
 
 def compile_or_capture(
