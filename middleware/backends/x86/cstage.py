@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable
 
 import numpy as np
 
 from ...index_expr import Int, Ix, Op, Var, evaluate, to_c, variables
-from ...loops import DIMS, EXPENSIVE_FUNCTIONS, Acc, Call, Expr, Load, ParamVec
+from ...loops import DIMS, EXPENSIVE_FUNCTIONS, Acc, Call, Const, Expr, Load, ParamVec
 from ...passes.schedule_ir import ORDER, Loop, Schedule, Stage
-from .cfuncs import c_expr
+from .cfuncs import C_FUNCS, c_expr
+from .vec512 import LANES, Unsupported, VecExpr, stride_of
 
 # Unroll a window's taps in the interior only up to this many taps (7x7 = 49).
 MAX_UNROLLED_TAPS = 49
@@ -209,8 +211,12 @@ class StageWriter:
         address: Callable[[Stage], str],
         table: dict[str, str],
         c_float: Callable[[float], str],
+        vec: Callable[[str, str, dict[str, str], set[str]], VecExpr] | None = None,
     ) -> None:
         self.s = s
+        # makes the AVX-512 printer of a loop (var, chunk start, rows, scalars); None: only
+        # the portable loops
+        self.vec = vec
         self._load = load
         self.param = param
         self.address = address
@@ -242,6 +248,20 @@ class StageWriter:
         return self._load(x)
 
     def expr(self, e: Expr) -> str:
+        """C text of ``e``; ``max``/``min`` against a constant (ReLU, clamp) is
+        ``K > x ? K : x``: one ``vmaxps`` (x86's max returns its second operand when
+        either is NaN, so a NaN ``x`` comes through as PyTorch's ReLU gives it), and a
+        ``vmaxss`` rather than a branch in scalar code."""
+        if isinstance(e, Call) and e.fn in ("max", "min") and self.table is C_FUNCS:
+            a, b = e.args
+            if isinstance(a, Const) and not isinstance(b, Const):
+                a, b = b, a
+            if isinstance(b, Const) and not math.isnan(b.value):
+                k, x = self.c_float(b.value), self.expr(a)
+                cmp = ">" if e.fn == "max" else "<"
+                return f"({k} {cmp} {x} ? {k} : {x})"
+        if isinstance(e, Call):
+            return self.table[e.fn].format(*(self.expr(a) for a in e.args))
         return c_expr(e, self.load, table=self.table, param=self.param)
 
     def open_loops(self, loops: tuple[Loop, ...], depth: int) -> None:
@@ -279,11 +299,14 @@ class StageWriter:
                     self.write_hoist(h, st.inner, depth + i + 1, target.extent[self.inner_dim])
         d = depth + len(st.loops)
         if st.reduction is None:
-            self.emit(d, "#pragma omp simd")
-            self.emit(
-                d, self.for_line(st.inner.var, self.tidy(st.inner.lo), self.tidy(st.inner.hi))
+            self.simd_loop(
+                d,
+                st.inner.var,
+                self.tidy(st.inner.lo),
+                self.tidy(st.inner.hi),
+                [self.store(st, self.expr(expr))],
+                lambda v: [self.vstore(st, v, v.expr(expr))],
             )
-            self.emit(d + 1, self.store(st, self.expr(expr)))
         else:
             interior = find_interior(st, target.shape)
             if interior is None:
@@ -310,6 +333,65 @@ class StageWriter:
     @staticmethod
     def for_line(var: str, lo: str, hi: str) -> str:
         return f"for (int {var} = {lo}; {var} <= {hi}; ++{var})"
+
+    def simd_loop(
+        self,
+        d: int,
+        var: str,
+        lo: str,
+        hi: str,
+        body: list[str],
+        vector: Callable[[VecExpr], list[str]] | None = None,
+    ) -> None:
+        """A SIMD loop ``var = lo..hi`` over ``body`` (statements, one per line); with
+        ``vector`` (statements over ``__m512`` values of a chunk, ending in its masked
+        store) also the AVX-512 loop in chunks of 16 lanes (``vec512``), chosen by
+        ``#ifdef __AVX512F__``. A loop ``vector`` cannot write stays portable only."""
+        lines = None
+        if vector is not None and self.vec is not None and self.s.simd_floats == LANES:
+            v = self.vec(var, f"{var}0_", self.rows, self.scalars)
+            try:
+                lines = vector(v)
+            except Unsupported:
+                lines = None
+        if lines is not None:
+            lo_, hi_ = f"lo_{var}_", f"hi_{var}_"
+            self.emit(d, "{")
+            self.emit(d + 1, f"const int {lo_} = {lo}, {hi_} = {hi};")
+            self.emit(0, "#ifdef __AVX512F__")
+            self.emit(d + 1, f"for (int {var}0_ = {lo_}; {var}0_ <= {hi_}; {var}0_ += {LANES}) {{")
+            self.emit(d + 2, f"const int live_ = {hi_} - {var}0_ + 1;")
+            self.emit(d + 2, "const __mmask16 mk = mw_lanes(live_);")
+            if v.stride2:
+                self.emit(
+                    d + 2,
+                    "const __mmask16 mk2a = mw_lanes(2 * live_ - 1), "
+                    "mk2b = mw_lanes(2 * live_ - 17);",
+                )
+            for line in lines:
+                self.emit(d + 2, line)
+            self.emit(d + 1, "}")
+            self.emit(0, "#else")
+            lo, hi = lo_, hi_
+        self.emit(d + 1 if lines is not None else d, "#pragma omp simd")
+        dd = d + 1 if lines is not None else d
+        self.emit(dd, self.for_line(var, lo, hi) + " {")
+        for line in body:
+            self.emit(dd + 1, line)
+        self.emit(dd, "}")
+        if lines is not None:
+            self.emit(0, "#endif")
+            self.emit(d, "}")
+
+    def vstore(self, st: Stage, v: VecExpr, value: str) -> str:
+        """The masked store of the chunk's ``value`` into the stage's target."""
+        b = self.s.buffer(st.target)
+        from ...index_expr import Var as _Var
+
+        idx = tuple(_Var(x) for x in DIMS)
+        if stride_of(idx, v.var, b.strides, b.extent) != 1:
+            raise Unsupported("target not contiguous in the inner variable")
+        return f"_mm512_mask_storeu_ps({v.target_address(b)}, mk, {value});"
 
     def write_hoist(self, h: Hoist, inner: Loop, depth: int, extent: int) -> None:
         if not h.row:
@@ -356,9 +438,9 @@ class StageWriter:
         self.emit(d2, self.for_line(ri.var, self.tidy(ri.lo), self.tidy(ri.hi)))
         self.emit(d2 + 1, f"{a} = {self._accumulate(red.op, a, self.expr(red.body))};")
         self.close_loops(len(red.loops), d)
+        value = self._divide(st, f"acc[{inner.var} - acc0]", None)
         self.emit(d, "#pragma omp simd")
         self.emit(d, self.for_line(inner.var, "acc0", self.tidy(inner.hi)) + " {")
-        value = self._divide(st, f"acc[{inner.var} - acc0]", None)
         self.emit(d + 1, f"const float acc_v = {value};")
         self.emit(d + 1, self.store(st, self.expr(expr)))
         self.emit(d, "}")
@@ -398,29 +480,59 @@ class StageWriter:
     def middle(self, st: Stage, expr: Expr, interior: Interior, d: int, lo: str, hi: str) -> None:
         red = st.reduction
         assert red is not None
-        self.emit(d, "#pragma omp simd")
-        self.emit(d, self.for_line(st.inner.var, lo, hi) + " {")
-        names = []
+        body, names = [], []
         for i, env in enumerate(interior.taps):
-            self.emit(d + 1, f"const float x{i} = {self.expr(subst_expr(red.body, env))};")
+            body.append(f"const float x{i} = {self.expr(subst_expr(red.body, env))};")
             names.append(f"x{i}")
         if red.init != _IDENTITY.get(red.op):
-            self.emit(d + 1, f"const float x{len(names)} = {self.c_float(red.init)};")
+            body.append(f"const float x{len(names)} = {self.c_float(red.init)};")
             names.append(f"x{len(names)}")
         if red.op == "sum":
             value = " + ".join(names)
         elif red.op in ("max", "min"):
             cmp = ">" if red.op == "max" else "<"
-            value = names[0]
-            self.emit(d + 1, f"float m = {names[0]};")
-            for x in names[1:]:
-                self.emit(d + 1, f"m = m {cmp} {x} ? m : {x};")
+            body.append(f"float m = {names[0]};")
+            body += [f"m = m {cmp} {x} ? m : {x};" for x in names[1:]]
             pairs = [names[i : i + 2] for i in range(0, len(names), 2)]
             nan = " | ".join(f"__builtin_isunordered({p[0]}, {p[-1]})" for p in pairs)
-            self.emit(d + 1, f"const int any_nan = {nan};")
+            body.append(f"const int any_nan = {nan};")
             value = "any_nan ? NAN : m"
         else:
             raise ValueError(f"unknown reduction {red.op!r}")
-        self.emit(d + 1, f"const float acc_v = {self._divide(st, f'({value})', interior.divisor)};")
-        self.emit(d + 1, self.store(st, self.expr(expr)))
-        self.emit(d, "}")
+        body.append(f"const float acc_v = {self._divide(st, f'({value})', interior.divisor)};")
+        body.append(self.store(st, self.expr(expr)))
+
+        def vector(v: VecExpr) -> list[str]:
+            out, names = [], []
+            for i, env in enumerate(interior.taps):
+                out.append(f"const __m512 x{i} = {v.expr(subst_expr(red.body, env))};")
+                names.append(f"x{i}")
+            if red.init != _IDENTITY.get(red.op):
+                out.append(f"const __m512 x{len(names)} = {v.expr(Const(red.init))};")
+                names.append(f"x{len(names)}")
+            if red.op == "sum":
+                out.append(f"__m512 s_ = {names[0]};")
+                out += [f"s_ = _mm512_add_ps(s_, {x});" for x in names[1:]]
+                total = "s_"
+            else:
+                out.append(f"__m512 m_ = {names[0]};")
+                out += [f"m_ = _mm512_{red.op}_ps(m_, {x});" for x in names[1:]]
+                pairs = [names[i : i + 2] for i in range(0, len(names), 2)]
+                nan = " | ".join(
+                    f"_mm512_cmp_ps_mask({p[0]}, {p[-1]}, _CMP_UNORD_Q)" for p in pairs
+                )
+                out.append(f"const __mmask16 nan_ = {nan};")
+                total = "_mm512_mask_blend_ps(nan_, m_, _mm512_set1_ps(NAN))"
+            if red.divisor is not None:
+                if interior.divisor is not None:
+                    div = f"_mm512_set1_ps({self.c_float(float(interior.divisor))})"
+                elif st.inner.var not in variables(red.divisor):
+                    div = f"_mm512_set1_ps((float)({to_c(red.divisor)}))"
+                else:
+                    raise Unsupported("divisor varies along the inner variable")
+                total = f"_mm512_div_ps({total}, {div})"
+            out.append(f"const __m512 acc_v = {total};")
+            out.append(self.vstore(st, v, v.expr(expr)))
+            return out
+
+        self.simd_loop(d, st.inner.var, lo, hi, body, vector)

@@ -18,6 +18,8 @@ from ...loops import DIMS, Expr, Load, ParamVec
 from ...passes.schedule import Buffer, Loop, Schedule, Stage
 from .cfuncs import C_FUNCS, ISPC_FUNCS, c_expr, c_float
 from .cstage import StageWriter
+from .vec512 import HELPERS as VEC_HELPERS
+from .vec512 import VecExpr
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -230,7 +232,20 @@ def stages_c(s: Schedule, ctx: _Ctx) -> tuple[list[str], str]:
         b = s.buffer(st.target)
         return f"{buffer_ident(b.name)}[{address(b, _DIM_VARS)}]"
 
-    w = StageWriter(s, ctx.load, ctx.param, target, ctx.table, c_float)
+    def vec(var: str, start: str, rows: dict[str, str], scalars: set[str]) -> VecExpr:
+        return VecExpr(
+            var,
+            start,
+            s.buffer_of,
+            lambda b: buffer_ident(b.name),
+            address,
+            param_ident,
+            c_float,
+            rows,
+            scalars,
+        )
+
+    w = StageWriter(s, ctx.load, ctx.param, target, ctx.table, c_float, vec)
     for st in s.stages:
         w.emit(0, "")
         w.emit(3, f"/* {comment(st.name)} -> {buffer_ident(st.target)} */")
@@ -243,7 +258,7 @@ def render_c(s: Schedule) -> str:
     ctx = _Ctx(s)
     env = _common(s, ctx)
     decls, text = stages_c(s, ctx)
-    env.update(hoist_decls=decls, stages_text=text)
+    env.update(hoist_decls=decls, stages_text=text, vec_helpers=VEC_HELPERS)
     scratch_text = (
         ", ".join(f"{buffer_ident(b.name)} {extent_text(b)}" for b in env["scratch"]) or "none"
     ) + f" ({s.tiling.scratch_bytes} bytes)"
