@@ -134,7 +134,7 @@ def test_torch_compile_backend_object_and_options() -> None:
     backend = middleware.Backend(device="cpu", layout="nhwc")
     assert backend.options.layout == "nhwc"
     compiled = torch.compile(model, backend=backend)
-    x = torch.randn(3, 3, 16, 16)
+    x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         assert_matches(compiled(x), model(x))
     report = backend.report()
@@ -314,3 +314,17 @@ def test_attention_through_torch_compile() -> None:
     rows = sub.report.rows
     assert not any(r.op == "model" for r in rows), str(sub.report)  # not a whole fallback
     assert any(r.op == "linear" and r.runs_as != RunsAs.FALLBACK for r in rows)
+
+
+def test_capture_does_not_keep_the_model_alive() -> None:
+    import gc
+    import weakref
+
+    model = _untraceable()
+    alive = weakref.ref(model)
+    opt = middleware.optimize(model)
+    with torch.no_grad():
+        opt(torch.randn(2, 3, 16, 16))
+    del opt, model
+    gc.collect()
+    assert alive() is None
