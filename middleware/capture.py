@@ -137,7 +137,9 @@ class Subgraph:
             entry = self._modules.get(key)
             if entry is not None and _same(entry[0], consts):
                 return entry
-            frozen, positions = freeze(self.gm, self.inputs, args, self.mixed)
+            frozen, positions = freeze(
+                self.gm, self.inputs, args, self.mixed, name=f"subgraph_g{self.index}"
+            )
             module = OptimizedModule(frozen, self.options, compile_model)
             entry = (consts, positions, module)
             self._modules[key] = entry

@@ -196,11 +196,13 @@ def freeze(
     inputs: Sequence[Placeholder],
     args: Sequence[Any],
     mixed: dict[str, tuple[int, ...]] | None = None,
+    name: str = "GraphModule",
 ) -> tuple[fx.GraphModule, tuple[int, ...]]:
     """``gm`` as a module of the caller's tensors only, for one call's ``args``: constants
     become its parameters and buffers (the same tensor objects), scalars Python constants,
     the ``mixed`` calls (``mixed_results``) ``TensorItems`` of them. Returns the module
-    (in eval mode) and the positions in ``args`` of its inputs."""
+    (in eval mode, its class called ``name``: warnings and reports name it) and the
+    positions in ``args`` of its inputs."""
     mixed = mixed or {}
     root = nn.Module()
     graph = fx.Graph()
@@ -244,7 +246,7 @@ def freeze(
             continue
         folded = _fold_scalar(n, env)
         env[n] = folded if folded is not _NOT_FOLDED else graph.node_copy(n, lambda m: env[m])
-    frozen = fx.GraphModule(root, graph)
+    frozen = fx.GraphModule(root, graph, class_name=name)
     frozen.eval()
     return frozen, tuple(tensors)
 
