@@ -103,6 +103,8 @@ class Subgraph:
         self.shapes = tuple(
             _shape(x) for p, x in zip(self.inputs, example_inputs, strict=False) if p.kind == TENSOR
         )
+        self._scalars = tuple(i for i, p in enumerate(self.inputs) if p.kind == SCALAR)
+        self._constants = tuple(i for i, p in enumerate(self.inputs) if p.kind == CONSTANT)
         self.mixed = mixed_results(gm)  # dynamo drops the example values after compiling
         self.reason = refusal(gm, self.inputs)
         if self.reason is None and self.calls == 0:
@@ -119,10 +121,8 @@ class Subgraph:
             return self.gm(*args)
         if torch.is_grad_enabled() and _needs_grad(args):  # dynamo guards grad mode; be sure
             return self.gm(*args)
-        key = tuple(
-            scalar_value(a) for p, a in zip(self.inputs, args, strict=True) if p.kind == SCALAR
-        )
-        consts = tuple(a for p, a in zip(self.inputs, args, strict=True) if p.kind == CONSTANT)
+        key = tuple(scalar_value(args[i]) for i in self._scalars)
+        consts = tuple(args[i] for i in self._constants)
         entry = self._modules.get(key)
         if entry is None or not _same(entry[0], consts):
             entry = self._build(key, consts, args)
