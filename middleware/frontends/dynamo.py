@@ -11,7 +11,10 @@ itself. This module prepares such a subgraph for the fx frontend (``torch_fx.tra
   the caller passes, or Python scalars (dynamic shapes). Read when dynamo hands the graph
   over: dynamo drops the graph arguments' metadata after compiling.
 - ``freeze``: the subgraph as a module whose only inputs are the tensors the caller
-  passes, the constants attributes of it (shared, never copied), the scalars inlined.
+  passes, the constants attributes of it (shared, never copied), the scalars inlined, and
+  each call returning a tuple with non-tensor items (``F.multi_head_attention_forward``:
+  ``(out, None)``) wrapped to return its tensors only (``mixed_results``, ``TensorItems``)
+  so the frontend can lower it as a fallback node.
 - ``refusal``: why a subgraph must run as dynamo gave it (writes to its inputs or to the
   model's buffers, training-mode calls), or None.
 - ``break_of``: the graph break that ended a subgraph, with where in the user's code.
@@ -64,6 +67,23 @@ _VIEW_METHODS = frozenset(
         "data",
         "T",
         "mT",
+        "H",
+        "mH",
+        "swapaxes",
+        "swapdims",
+        "adjoint",
+        "real",
+        "imag",
+        "view_as_real",
+        "view_as_complex",
+        "tensor_split",
+        "hsplit",
+        "vsplit",
+        "split_with_sizes",
+        "unsafe_split",
+        "indices",
+        "values",
+        "alias",
     }
 )
 _VIEW_FUNCTIONS = {
@@ -84,6 +104,18 @@ _VIEW_FUNCTIONS = {
     torch.movedim,
     torch.as_strided,
     torch.diagonal,
+    torch.swapaxes,
+    torch.swapdims,
+    torch.adjoint,
+    torch.real,
+    torch.imag,
+    torch.view_as_real,
+    torch.view_as_complex,
+    torch.tensor_split,
+    torch.hsplit,
+    torch.vsplit,
+    torch.split_with_sizes,
+    torch.unflatten,
 }
 _INPLACE_OPERATORS = {
     operator.setitem,
