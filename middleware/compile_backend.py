@@ -3,7 +3,7 @@
     compiled = torch.compile(model.eval(), backend="middleware", options={"device": "cpu"})
     with torch.no_grad():
         y = compiled(x)
-    print(middleware.compile_report())  # every subgraph and graph break so far
+    print(middleware.compile_report({"device": "cpu"}))  # subgraphs and graph breaks so far
 
 ``options`` are ``optimize()``'s settings (``device``, ``layout``, ``strict``, ``algorithms``,
 ``cache_dir``, ... : the fields of ``middleware.Options``), checked the same way. Every
@@ -46,31 +46,44 @@ class Backend(Capture):
         cache_dir = options.pop("cache_dir", None)
         super().__init__(make_options(device, cache_dir, options))
 
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any
+    ) -> Callable[..., Any]:
+        if compile_kwargs.get("options"):
+            raise TypeError(
+                "torch.compile(options=...) with a middleware.Backend object: give the "
+                "options to Backend(...) instead"
+            )
+        return super().__call__(gm, example_inputs)
 
-_BACKENDS: dict[tuple, Capture] = {}
+
+_BACKENDS: dict[Any, Capture] = {}
 _LOCK = threading.Lock()
 
 
-def _key(options: Mapping[str, Any]) -> tuple:
-    return tuple(sorted((k, repr(v)) for k, v in options.items()))
-
-
 def _capture_for(options: Mapping[str, Any] | None, mode: str | None) -> Capture:
-    options = dict(options or {})
-    key = _key(options) + (("mode", mode),)
+    """The capture of ``torch.compile(backend="middleware", options=options)``: one per
+    distinct resulting ``Options`` (``{}`` and ``{"device": "cpu"}`` share one)."""
+    opts = dict(options or {})
+    device = opts.pop("device", "cpu")
+    cache_dir = opts.pop("cache_dir", None)
+    resolved = make_options(device, cache_dir, opts)
+    key: Any = resolved
+    try:
+        hash(resolved)
+    except TypeError:  # an unhashable setting: its spelling is the key
+        key = repr(resolved)
     with _LOCK:
         found = _BACKENDS.get(key)
         if found is None:
-            opts = dict(options)
-            device = opts.pop("device", "cpu")
-            cache_dir = opts.pop("cache_dir", None)
-            found = Capture(make_options(device, cache_dir, opts))
-            if mode not in (None, "default"):
-                found.notes.append(
-                    f"torch.compile(mode={mode!r}) has no meaning for the middleware backend "
-                    "and was ignored"
-                )
-            _BACKENDS[key] = found
+            found = _BACKENDS[key] = Capture(resolved)
+        if mode not in (None, "default"):
+            note = (
+                f"torch.compile(mode={mode!r}) has no meaning for the middleware backend "
+                "and was ignored"
+            )
+            if note not in found.notes:
+                found.notes.append(note)
     return found
 
 

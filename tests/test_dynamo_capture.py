@@ -127,6 +127,7 @@ def test_torch_compile_backend_by_name_matches() -> None:
     mine = [s for s in report.subgraphs if s.inputs == ("float32[2, 3, 16, 16]",)]
     assert mine and mine[-1].optimized and mine[-1].report is not None, str(report)
     assert not mine[-1].report.fallbacks, str(mine[-1].report)
+    assert report.subgraphs == middleware.compile_report({"layout": "nchw"}).subgraphs
 
 
 def test_torch_compile_backend_object_and_options() -> None:
@@ -144,6 +145,8 @@ def test_torch_compile_backend_object_and_options() -> None:
         middleware.Backend(device="cpu", no_such_option=1)
     with pytest.raises(middleware.OptionsError):
         middleware.Backend(device="cpu", layout="sideways")
+    with pytest.raises(Exception, match="unknown option"):  # dynamo wraps backend errors
+        torch.compile(SmallNet().eval(), backend="middleware", options={"lay_out": "nhwc"})(x)
 
 
 def test_grad_required_runs_as_captured() -> None:
