@@ -157,6 +157,10 @@ def plan_stages(graph: Graph, names: Sequence[str], out: str) -> list[StageDraft
     def recompute(slp: OpLoops, draft: StageDraft) -> bool:
         """Inline a pointwise producer into a window's body (recomputed per read)?"""
         assert draft.red is not None
+        if isinstance(slp.expr, Load):
+            # a copy (a layout conversion): a scratch round trip would only add a store
+            # and a load per element (issue 18: inception's cat -> 3x3/1 max-pool in NCHW)
+            return True
         return (
             _cheap(slp.expr)
             and _reads_per_element(draft.red.windows) <= INLINE_MAX_READS_PER_ELEMENT
