@@ -156,3 +156,46 @@ def test_pycuda_loader_uses_the_primary_context_and_the_default_stream(monkeypat
     ld.launch(fn, 5, 128, [11, 22], 0)
     assert calls[:4] == ["init", ("device", 1), "push", ("load", b"\x7fELF")]
     assert calls[-1] == ("launch", [11, 22], (128, 1, 1), (5, 1, 1))
+
+
+def test_generated_kernel_launches_through_a_loaded_kernel(monkeypatch):
+    """The whole launch path a plan's step takes on a GPU (GeneratedKernel.out ->
+    LoadedKernel.launch -> loader.launch) with a stand-in loader: the loaded function, the
+    grid and block of the rendered launch, the tensors' pointers (inputs, then the output)
+    and the current stream's raw handle on the kernel's device."""
+    import torch
+    from cuda_cases import CASES, FAKE_GPU, schedule_of
+
+    from middleware.backends.cuda.kernel import GeneratedKernel
+    from middleware.backends.cuda.render import render_schedule
+
+    class StandInLoader:
+        name = "stand-in"
+
+        def __init__(self):
+            self.launches = []
+
+        def load(self, cubin, function, device):
+            return ("function", function, device)
+
+        def launch(self, fn, grid, block, ptrs, stream):
+            self.launches.append((fn, grid, block, list(ptrs), stream))
+
+    monkeypatch.setattr(loader_mod, "current_stream_handle", lambda: lambda device: 1000 + device)
+    graph, names = CASES["relu"]("nchw")
+    rendered = render_schedule(schedule_of(graph, names), FAKE_GPU, emulate=False)
+    stand_in = StandInLoader()
+    kernel = GeneratedKernel(rendered, loader_mod.LoadedKernel(b"cubin", "k", 3, stand_in))
+    (t,) = rendered.in_types
+    x = torch.randn(t.shape)
+    y = torch.empty(rendered.out_types[0].shape)
+    kernel.out(x, y)
+    assert stand_in.launches == [
+        (
+            ("function", "k", 3),
+            rendered.launch.grid,
+            rendered.launch.block,
+            [x.data_ptr(), y.data_ptr()],
+            1003,
+        )
+    ]

@@ -225,6 +225,9 @@ class LoadedKernel:
         self._fn = loader.load(cubin, function, device)
         self._stream = current_stream_handle()
 
+    def launch(self, grid: int, block: int, ptrs: Sequence[int]) -> None:
+        self.loader.launch(self._fn, grid, block, ptrs, self._stream(self.device))
+
 
 def current_stream_handle() -> Any:
     """A function of a device index giving the raw handle of PyTorch's current stream on it
@@ -236,6 +239,3 @@ def current_stream_handle() -> Any:
     if raw is not None:
         return raw
     return lambda device: torch.cuda.current_stream(device).cuda_stream
-
-    def launch(self, grid: int, block: int, ptrs: Sequence[int]) -> None:
-        self.loader.launch(self._fn, grid, block, ptrs, self._stream(self.device))
