@@ -117,7 +117,12 @@ class CudaBindingsLoader:
             values[i] = p
         direct = self._direct
         if direct is not None:  # libcuda's cuLaunchKernel through ctypes: the fast path
-            err = direct(int(fn), grid, 1, 1, block, 1, 1, 0, stream, address, None)
+            try:
+                handle = int(fn)
+            except TypeError:  # a cuda.bindings without int(CUfunction): its own launch
+                self._direct = None
+                return self.launch(fn, grid, block, ptrs, stream)
+            err = direct(handle, grid, 1, 1, block, 1, 1, 0, stream, address, None)
             if err:
                 self._check(self.cu.CUresult(err), "cuLaunchKernel")
             return
