@@ -20,15 +20,24 @@ reported; ``% stream`` is the pattern's bytes (inputs + output) per second throu
 (the triad's GB/s says how quiet the host was).
 
     python bench/io_patterns.py [--rounds 25] [--batch 16] [--patterns chain residual]
-        [--layouts nchw nhwc] [--compile]
+        [--layouts nchw nhwc] [--compile] [--one-core]
+
+``--one-core`` runs everything on one thread (``OMP_THREAD_LIMIT=1``, one torch thread;
+the script re-executes itself with that environment) and times each call by the thread's
+CPU time: on a host shared with other jobs a two-thread kernel loses a whole scheduler
+tick whenever either thread is preempted, which punishes a long call more than a short
+one; CPU time of one thread does not count the time it was not running, so the ratios
+say what the code does, not what the neighbours did.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -60,8 +69,16 @@ static void run(int nt_stores, int nin, const float **in, const long *len, float
       long i = lo;
       for (; i < lo + ((16 - (lo & 15)) & 15) && i < hi; ++i)
         acc = _mm512_max_ps(acc, _mm512_set1_ps(p[i]));
+      __m512 a1 = acc, a2 = acc, a3 = acc; /* four chains: no latency bound */
+      for (; i + 64 <= hi; i += 64) {
+        acc = _mm512_max_ps(acc, _mm512_load_ps(p + i));
+        a1 = _mm512_max_ps(a1, _mm512_load_ps(p + i + 16));
+        a2 = _mm512_max_ps(a2, _mm512_load_ps(p + i + 32));
+        a3 = _mm512_max_ps(a3, _mm512_load_ps(p + i + 48));
+      }
       for (; i + 16 <= hi; i += 16)
         acc = _mm512_max_ps(acc, _mm512_load_ps(p + i));
+      acc = _mm512_max_ps(_mm512_max_ps(acc, a1), _mm512_max_ps(a2, a3));
       for (; i < hi; ++i)
         acc = _mm512_max_ps(acc, _mm512_set1_ps(p[i]));
     }
@@ -241,14 +258,15 @@ def bench_case(
             assert err < 1e-5, f"{name} {layout} {k}: relative error {err}"
     times: dict[str, list[float]] = {k: [] for k in runs}
     order = random.Random(hash((name, layout)) & 0xFFFF)
+    clock = time.thread_time if args.one_core else time.perf_counter
     with torch.inference_mode():
         for r in range(args.warmup + args.rounds):
             keys = list(runs)
             order.shuffle(keys)
             for k in keys:
-                t0 = time.perf_counter()
+                t0 = clock()
                 runs[k]()
-                dt = time.perf_counter() - t0
+                dt = clock() - t0
                 if r >= args.warmup:
                     times[k].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -296,7 +314,15 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="*", default=["nchw", "nhwc"])
     ap.add_argument("--compile", action="store_true", help="also time torch.compile")
     ap.add_argument("--cache-dir", type=Path, default=None)
+    ap.add_argument(
+        "--one-core", action="store_true", help="one thread, timed by its CPU time (see above)"
+    )
     args = ap.parse_args()
+    if args.one_core:
+        if os.environ.get("OMP_THREAD_LIMIT") != "1":
+            env = dict(os.environ, OMP_THREAD_LIMIT="1", OMP_NUM_THREADS="1")
+            os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        torch.set_num_threads(1)
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="mw-io-"))
     native = Native(cache)
     pats = patterns(args.batch)
@@ -314,7 +340,8 @@ def main() -> None:
             )
     print(
         f"\nmedians of {args.rounds} rounds after {args.warmup} warm-up, interleaved in random "
-        f"order; batch {args.batch}, float32, {torch.get_num_threads()} torch threads"
+        f"order; batch {args.batch}, float32, {torch.get_num_threads()} torch threads; "
+        + ("one thread, CPU time" if args.one_core else "wall clock")
     )
     head = (
         f"{'pattern':15s} {'layout':6s} {'MB':>6s} {'mw ms':>7s} {'mw GB/s':>8s} "

@@ -108,8 +108,8 @@ def test_fuse_false_turns_generation_off(tmp_path):
 def broken_render(monkeypatch):
     original = X86Backend.render
 
-    def render(self, schedule):
-        return original(self, schedule) + "\n#error deliberately broken kernel\n"
+    def render(self, schedule, hardware=None):
+        return original(self, schedule, hardware) + "\n#error deliberately broken kernel\n"
 
     monkeypatch.setattr(X86Backend, "render", render)
 

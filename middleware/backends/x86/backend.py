@@ -195,8 +195,12 @@ class X86Backend:
     def schedule(self, graph: Graph, nodes: Sequence[str], hardware: Hardware) -> Schedule:
         return schedule_group(graph, nodes, hardware)
 
-    def render(self, schedule: Schedule) -> str:
-        return render_c(schedule)
+    def render(self, schedule: Schedule, hardware: Hardware | None = None) -> str:
+        """The C source; with ``hardware``, an output larger than the private caches of all
+        cores (``l2_bytes * cores``) is written with non-temporal stores."""
+        if hardware is None:
+            return render_c(schedule)
+        return render_c(schedule, stream_min_bytes=stream_min_bytes(hardware))
 
     def compile(
         self, schedule: Schedule, source: str, options: Options, hardware: Hardware
@@ -245,7 +249,7 @@ class X86Backend:
         try:
             with _SCHEDULE_LOCK:
                 schedule = self.schedule(graph, nodes, hardware)
-                source = self.render(schedule)
+                source = self.render(schedule, hardware)
         except NotFusable as e:
             if key is not None:
                 index.put(options.cache_dir, key, index.IndexRecord("not_fusable", why=str(e)))
@@ -255,6 +259,15 @@ class X86Backend:
         if key is not None and built.cache_key:
             index.put(options.cache_dir, key, _record(schedule, built))
         return kernel
+
+
+def stream_min_bytes(hardware: Hardware) -> int:
+    """The output size from which a kernel stores non-temporally: more than the L2 caches
+    of all cores hold, so the lines would leave the core's caches before the next group
+    reads them anyway (measured on the 2-core host: the streaming kernel of
+    bench/io_patterns.py is faster with non-temporal stores for every pattern there, all
+    of whose outputs exceed 4 MiB)."""
+    return hardware.l2_bytes * max(1, hardware.cores)
 
 
 def _record(schedule: Schedule, built: Built) -> index.IndexRecord:
@@ -303,7 +316,9 @@ class IspcBackend(X86Backend):
             return False, str(e)
         return True, ""
 
-    def render(self, schedule: Schedule) -> tuple[str, str]:  # type: ignore[override]
+    def render(  # type: ignore[override]
+        self, schedule: Schedule, hardware: Hardware | None = None
+    ) -> tuple[str, str]:
         used = {
             x.fn
             for st in schedule.stages

@@ -212,8 +212,18 @@ class StageWriter:
         table: dict[str, str],
         c_float: Callable[[float], str],
         vec: Callable[[str, str, dict[str, str], set[str]], VecExpr] | None = None,
+        stream_min_bytes: float = float("inf"),
     ) -> None:
         self.s = s
+        # outputs at least this large are written with non-temporal stores (the vector
+        # loops' full aligned chunks): they do not fit the caches, and a store that
+        # bypasses them saves the read of every line it writes
+        self.stream_min_bytes = stream_min_bytes
+        # whether the loop being written covers whole lines of its target with whole
+        # chunks: non-temporal stores only then (a line written partly by a regular
+        # store, a peeled border column, costs more than the stream saves: NCHW rows of
+        # 56 floats measured 56% of the streaming kernel with them, 62% without)
+        self.nt_ok = False
         # makes the AVX-512 printer of a loop (var, chunk start, rows, scalars); None: only
         # the portable loops
         self.vec = vec
@@ -298,6 +308,8 @@ class StageWriter:
                 if h.level == i:
                     self.write_hoist(h, st.inner, depth + i + 1, target.extent[self.inner_dim])
         d = depth + len(st.loops)
+        whole_rows = target.shape[self.inner_dim] % LANES == 0
+        self.nt_ok = whole_rows
         if st.reduction is None:
             self.simd_loop(
                 d,
@@ -355,18 +367,28 @@ class StageWriter:
             except Unsupported:
                 lines = None
         if lines is not None:
-            lo_, hi_ = f"lo_{var}_", f"hi_{var}_"
+            lo_, hi_, v0 = f"lo_{var}_", f"hi_{var}_", f"{var}0_"
             self.emit(d, "{")
             self.emit(d + 1, f"const int {lo_} = {lo}, {hi_} = {hi};")
             self.emit(0, "#ifdef __AVX512F__")
-            self.emit(d + 1, f"for (int {var}0_ = {lo_}; {var}0_ <= {hi_}; {var}0_ += {LANES}) {{")
-            self.emit(d + 2, f"const int live_ = {hi_} - {var}0_ + 1;")
-            self.emit(d + 2, "const __mmask16 mk = mw_lanes(live_);")
+            # chunks start on the target's 64-byte boundaries when it is stored
+            # non-temporally (the first chunk's leading lanes masked off)
+            skew = f"(({v.nt_offset_at(lo_)}) & {LANES - 1})" if v.nt_target else "0"
+            self.emit(
+                d + 1,
+                f"for (int {v0} = {lo_} - {skew}; {v0} <= {hi_}; {v0} += {LANES}) {{",
+            )
+            self.emit(
+                d + 2,
+                f"const int s_ = {lo_} > {v0} ? {lo_} - {v0} : 0, "
+                f"e_ = {hi_} - {v0} < {LANES - 1} ? {hi_} - {v0} : {LANES - 1};",
+            )
+            self.emit(d + 2, "const __mmask16 mk = mw_range(s_, e_);")
             if v.stride2:
                 self.emit(
                     d + 2,
-                    "const __mmask16 mk2a = mw_lanes(2 * live_ - 1), "
-                    "mk2b = mw_lanes(2 * live_ - 17);",
+                    "const __mmask16 mk2a = mw_range(2 * s_, 2 * e_), "
+                    "mk2b = mw_range(2 * s_ - 16, 2 * e_ - 16);",
                 )
             for line in lines:
                 self.emit(d + 2, line)
@@ -391,6 +413,13 @@ class StageWriter:
         idx = tuple(_Var(x) for x in DIMS)
         if stride_of(idx, v.var, b.strides, b.extent) != 1:
             raise Unsupported("target not contiguous in the inner variable")
+        if self.nt_ok and b.role == "output" and b.elements * 4 >= self.stream_min_bytes:
+            v.nt_target = b
+            return (
+                f"{{ float *p_ = {v.target_address(b)}; const __m512 y_ = {value}; "
+                "if (mk == (__mmask16)0xFFFF && ((uintptr_t)p_ & 63) == 0) "
+                "_mm512_stream_ps(p_, y_); else _mm512_mask_storeu_ps(p_, mk, y_); }"
+            )
         return f"_mm512_mask_storeu_ps({v.target_address(b)}, mk, {value});"
 
     def write_hoist(self, h: Hoist, inner: Loop, depth: int, extent: int) -> None:
@@ -455,6 +484,7 @@ class StageWriter:
             d + 1, f"const int lo_{v} = {self.tidy(inner.lo)}, hi_{v} = {self.tidy(inner.hi)};"
         )
         box = interior.box[self.inner_dim]
+        self.nt_ok = self.nt_ok and box is None
         if box is None:
             self.middle(st, expr, interior, d + 1, f"lo_{v}", f"hi_{v}")
         else:
@@ -511,9 +541,9 @@ class StageWriter:
                 out.append(f"const __m512 x{len(names)} = {v.expr(Const(red.init))};")
                 names.append(f"x{len(names)}")
             if red.op == "sum":
-                out.append(f"__m512 s_ = {names[0]};")
-                out += [f"s_ = _mm512_add_ps(s_, {x});" for x in names[1:]]
-                total = "s_"
+                out.append(f"__m512 sum_ = {names[0]};")
+                out += [f"sum_ = _mm512_add_ps(sum_, {x});" for x in names[1:]]
+                total = "sum_"
             else:
                 out.append(f"__m512 m_ = {names[0]};")
                 out += [f"m_ = _mm512_{red.op}_ps(m_, {x});" for x in names[1:]]

@@ -225,7 +225,9 @@ def render_ispc(s: Schedule) -> tuple[str, str]:
     return ispc, glue
 
 
-def stages_c(s: Schedule, ctx: _Ctx) -> tuple[list[str], str]:
+def stages_c(
+    s: Schedule, ctx: _Ctx, stream_min_bytes: float = float("inf")
+) -> tuple[list[str], str]:
     """(per-tile declarations, C text of every stage in order): ``cstage.StageWriter``."""
 
     def target(st: Stage) -> str:
@@ -245,7 +247,7 @@ def stages_c(s: Schedule, ctx: _Ctx) -> tuple[list[str], str]:
             scalars,
         )
 
-    w = StageWriter(s, ctx.load, ctx.param, target, ctx.table, c_float, vec)
+    w = StageWriter(s, ctx.load, ctx.param, target, ctx.table, c_float, vec, stream_min_bytes)
     for st in s.stages:
         w.emit(0, "")
         w.emit(3, f"/* {comment(st.name)} -> {buffer_ident(st.target)} */")
@@ -253,11 +255,13 @@ def stages_c(s: Schedule, ctx: _Ctx) -> tuple[list[str], str]:
     return w.decls, "\n".join(w.lines) + "\n"
 
 
-def render_c(s: Schedule) -> str:
-    """The C source of ``s`` (one exported function named ``s.name``)."""
+def render_c(s: Schedule, stream_min_bytes: float = float("inf")) -> str:
+    """The C source of ``s`` (one exported function named ``s.name``). An output of at
+    least ``stream_min_bytes`` is written with non-temporal stores (the caller derives
+    the threshold from ``Hardware``: the private caches of all cores)."""
     ctx = _Ctx(s)
     env = _common(s, ctx)
-    decls, text = stages_c(s, ctx)
+    decls, text = stages_c(s, ctx, stream_min_bytes)
     env.update(hoist_decls=decls, stages_text=text, vec_helpers=VEC_HELPERS)
     scratch_text = (
         ", ".join(f"{buffer_ident(b.name)} {extent_text(b)}" for b in env["scratch"]) or "none"

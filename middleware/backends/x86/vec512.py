@@ -30,6 +30,7 @@ LANES = 16
 
 # Helpers the C template defines under #ifdef __AVX512F__ (see group.c.j2).
 HELPERS = r"""#include <immintrin.h>
+#include <stdint.h>
 /* NaN-propagating max/min (PyTorch's): a NaN a is kept, else x86's max, which returns
    its second operand b when b is NaN. */
 static inline __m512 mw_vmax(__m512 a, __m512 b) {
@@ -44,7 +45,12 @@ static inline __m512 mw_vneg(__m512 a) {
 static inline __m512 mw_vbool(__mmask16 m) { return _mm512_maskz_mov_ps(m, _mm512_set1_ps(1.0f)); }
 /* C's truth of a float: nonzero, NaN included */
 static inline __mmask16 mw_vtrue(__m512 a) { return _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ); }
-static inline __mmask16 mw_lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n > 0 ? n : 0)) - 1u); }
+/* lanes s..e of a chunk (clamped to 0..15; none when e < s) */
+static inline __mmask16 mw_range(int s, int e) {
+  s = s < 0 ? 0 : s;
+  e = e > 15 ? 15 : e;
+  return e < s ? (__mmask16)0 : (__mmask16)(((2u << e) - 1u) & ~((1u << s) - 1u));
+}
 static const int mw_even[16] __attribute__((aligned(64))) = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 """
 
@@ -127,11 +133,18 @@ class VecExpr:
         self.c_float = c_float
         self.rows, self.scalars = rows, scalars
         self.stride2 = False  # a stride-2 load needs the two masks mk2a/mk2b
+        self.nt_target: Buffer | None = None  # the target, when stored non-temporally
 
     def target_address(self, b: Buffer) -> str:
         """``&target[element (n, c, h, w)]`` at the chunk's first lane."""
         idx = tuple(at(Var(d), self.var, self.start) for d in ("n", "c", "h", "w"))
         return f"&{self.ident(b)}[{self.address(b, idx)}]"
+
+    def nt_offset_at(self, first: str) -> str:
+        """The non-temporal target's element offset where ``var`` is ``first``."""
+        assert self.nt_target is not None
+        idx = tuple(at(Var(d), self.var, first) for d in ("n", "c", "h", "w"))
+        return self.address(self.nt_target, idx)
 
     def load(self, x: Load) -> str:
         if x.value in self.scalars:
