@@ -8,6 +8,7 @@ Winograd is held to its recorded error bound (1e-4, as in tests/test_winograd.py
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -18,6 +19,7 @@ import middleware
 from middleware.backends.vendor import ALGORITHMS, im2col
 from middleware.backends.vendor import algorithms as alg
 from middleware.backends.vendor import winograd as wg
+from middleware.backends.vendor import winograd_f2 as wg2
 from middleware.errors import OptionsError
 from middleware.ops import get_op
 from middleware.options import Options
@@ -94,9 +96,11 @@ def test_im2col_gemm_equals_f_conv2d_and_chunks_the_batch(monkeypatch):
 
 def test_records_say_exactness_memory_and_reasons():
     table = ALGORITHMS["conv2d"]
-    assert list(table)[:3] == ["vendor", "winograd_f4x4", "im2col_gemm"]
+    assert list(table) == ["vendor", "winograd_f4x4", "im2col_gemm", "winograd_f2x2"]
     assert table["vendor"].exact and table["im2col_gemm"].exact
     assert not table["winograd_f4x4"].exact and table["winograd_f4x4"].error_bound == 1e-4
+    assert not table["winograd_f2x2"].exact
+    assert table["winograd_f2x2"].error_bound < table["winograd_f4x4"].error_bound
     g, node = conv_graph((2, 64, 16, 16), (64, 64, 3, 3), "nhwc", padding=1)
     assert table["vendor"].extra_bytes(g, node) == 0
     assert table["winograd_f4x4"].extra_bytes(g, node) >= 36 * 4 * 64 * 64  # U: 4x the weight
@@ -218,7 +222,8 @@ def test_inapplicable_name_falls_back_with_the_reason(tmp_path):
 def test_unknown_names_are_a_clear_error(tmp_path):
     m, x = _net(), torch.randn(1, 3, 8, 8)
     with pytest.raises(
-        OptionsError, match="known: default, autotune, vendor, winograd_f4x4, im2col_gemm"
+        OptionsError,
+        match="known: default, autotune, vendor, winograd_f4x4, im2col_gemm, winograd_f2x2",
     ):
         middleware.optimize(m, example_inputs=[x], cache_dir=tmp_path, algorithms={"conv2d": "fft"})
     with pytest.raises(OptionsError, match="unknown conv2d algorithm 'nope'"):
@@ -312,3 +317,118 @@ def test_the_memory_cap_keeps_algorithms_out(monkeypatch, tmp_path):
     assert alg.choose(g, node, CPU, capped, hardware()).algorithm == "vendor"
     with pytest.raises(OptionsError, match="max_extra_bytes=-1"):
         middleware.optimize(_net(), cache_dir=tmp_path, max_extra_bytes=-1)
+
+
+# ------------------------------------------------------------------ winograd_f2x2
+def test_winograd_f2x2_matrices_compute_the_correlation():
+    """In float64, A^T [(G g G^T) (.) (B^T d B)] A is the 2x2 valid correlation of the 4x4
+    patch d with the 3x3 g: the matrices the generated transforms are spelled from."""
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        d, g = rng.standard_normal((4, 4)), rng.standard_normal((3, 3))
+        y = wg2.AT @ ((wg2.G @ g @ wg2.G.T) * (wg2.BT @ d @ wg2.BT.T)) @ wg2.AT.T
+        ref = [[(d[i : i + 3, j : j + 3] * g).sum() for j in range(2)] for i in range(2)]
+        np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(5, 3, 3, 3, dtype=torch.float64)
+    u = wg2.transform_weight(w.numpy())  # [16][C][K]
+    for k, c in ((0, 0), (4, 2)):
+        np.testing.assert_allclose(
+            u[:, c, k].numpy().reshape(4, 4),
+            wg2.G @ w[k, c].numpy() @ wg2.G.T,
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
+# (x shape, weight shape, padding): partial tiles at odd sizes, every padding the
+# predicate accepts, several channel blocks, and 256 channels (the error grows with C)
+F2_SHAPES = [
+    ((1, 16, 9, 7), (32, 16, 3, 3), 1),
+    ((2, 32, 8, 10), (16, 32, 3, 3), 0),
+    ((1, 16, 5, 6), (16, 16, 3, 3), 2),
+    ((1, 256, 6, 7), (256, 256, 3, 3), 1),
+]
+
+
+@pytest.mark.parametrize("ep", range(len(EPILOGUES)))
+@pytest.mark.parametrize("case", range(len(F2_SHAPES)))
+def test_winograd_f2x2_matches_pytorch_within_its_bound(case, ep):
+    xs, ws, pad = F2_SHAPES[case]
+    g, node = conv_graph(xs, ws, "nhwc", padding=pad, **EPILOGUES[ep])
+    algorithm = ALGORITHMS["conv2d"]["winograd_f2x2"]
+    opts = Options()  # the session's kernel cache: one compile per epilogue, not per shape
+    assert algorithm.applies(g, node, CPU, opts) is None
+    fn = algorithm.build(g, node, CPU, opts, hardware())
+    assert fn is not None and fn.algorithm == "winograd F(2x2,3x3)"
+    args = _inputs(g, "nhwc")
+    before = [a.clone() for a in args]
+    y = fn(*args)
+    for a, b in zip(args, before, strict=True):
+        assert torch.equal(a, b), "winograd_f2x2 wrote into an input"
+    assert y.is_contiguous(memory_format=CL)
+    # the error bound is relative to the scale before the activation (conv + bias +
+    # residual): hardtanh's clamp shrinks the output's scale, not the convolution's error
+    pre = {k: v for k, v in EPILOGUES[ep].items() if not k.startswith("activation")}
+    g_pre, node_pre = conv_graph(xs, ws, "nhwc", padding=pad, **pre)
+    scale = float(get_op("conv2d").bind(node_pre)(*args).abs().max())
+    ref = get_op("conv2d").bind(node)(*args)
+    err = float((y - ref).abs().max()) / scale
+    assert err <= algorithm.error_bound, f"error {err:.2e} of scale"
+
+
+def test_winograd_f2x2_into_residual_and_nonfinite_tiles():
+    g, node = conv_graph(
+        (2, 32, 7, 9), (32, 32, 3, 3), "nhwc", padding=1, activation="relu", residual=True
+    )
+    fn = alg.WINOGRAD_F2X2.build(g, node, CPU, Options(), hardware())
+    args = _inputs(g, "nhwc")
+    ref = get_op("conv2d").bind(node)(*args)
+    r = args[-1]
+    y = fn.into_residual(*args)
+    assert y.data_ptr() == r.data_ptr()
+    _close(y, ref, tol=wg2.ERROR_BOUND)
+    # a NaN or infinity spreads over a whole tile through the transforms: such tiles run
+    # the direct convolution, so exactly PyTorch's NaN/inf outputs are NaN/inf
+    args = _inputs(g, "nhwc")
+    x = args[0]
+    x[0, 5, 3, 4] = float("nan")
+    x[1, 17, 0, 8] = float("inf")
+    ref = get_op("conv2d").bind(node)(*args)
+    y = fn(*args)
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+    assert int(ref.isnan().sum()) > 0 and int(ref.isinf().sum()) > 0
+    finite = ref.isfinite()
+    _close(y[finite], ref[finite], tol=wg2.ERROR_BOUND)
+
+
+def test_winograd_f2x2_chunks_and_memory(monkeypatch):
+    """Extra bytes: U at 16 values per channel pair (16/9 of the weight; F(4x4): 36/9) plus
+    one chunk's V + M; several chunks with a partial last one compute the same result."""
+    g, node = conv_graph((2, 64, 16, 15), (64, 64, 3, 3), "nhwc", padding=1)
+    extra2 = alg.WINOGRAD_F2X2.extra_bytes(g, node)
+    tiles = wg2.tiles_of(2, 16, 15)
+    assert tiles == 2 * 8 * 8
+    assert extra2 == 16 * 4 * 64 * 64 + 16 * 4 * 128 * wg2.chunk_tiles(64, 64, tiles)
+    ws4 = 36 * 4 * 128 * wg.chunk_tiles(64, 64, wg.tiles_of(2, 16, 15))
+    assert alg.WINOGRAD_F4X4.extra_bytes(g, node) - ws4 == 36 * 4 * 64 * 64
+    monkeypatch.setattr(wg2, "MIN_CHUNK_TILES", 1)
+    monkeypatch.setattr(wg2, "WORKSPACE_BYTES", 7 * 16 * 4 * (64 + 64))
+    assert wg2.chunk_tiles(64, 64, tiles) == 7  # 18 full chunks and one of 2
+    fn = alg.WINOGRAD_F2X2.build(g, node, CPU, Options(), hardware())
+    assert fn.workspace_bytes(2) == 7 * 16 * 4 * 128
+    args = _inputs(g, "nhwc")
+    _close(fn(*args), get_op("conv2d").bind(node)(*args), tol=wg2.ERROR_BOUND)
+
+
+def test_winograd_f2x2_by_name_through_optimize(tmp_path):
+    """Named for every layer: it runs on the one 3x3 stride-1 dense channels_last conv (c1),
+    the default elsewhere with the reason; the default never picks it."""
+    opt, y, ref = _run(tmp_path, algorithms={"conv2d": "winograd_f2x2"})
+    _close(y, ref, tol=1e-4)
+    rows = _conv_rows(opt)
+    assert [r.algorithm for r in rows] == ["vendor", "winograd_f2x2", "vendor", "vendor"]
+    assert rows[1].reason.startswith("winograd F(2x2,3x3), chosen by algorithms=")
+    assert rows[1].extra_bytes >= 16 * 4 * 32 * 32
+    assert "grouped" in rows[3].reason
+    opt, _, _ = _run(tmp_path)
+    assert "winograd_f2x2" not in {r.algorithm for r in _conv_rows(opt)}

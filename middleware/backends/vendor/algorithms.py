@@ -15,6 +15,9 @@ conv2d, built in (``ALGORITHMS["conv2d"]``):
   batched GEMM (``winograd.py``); approximate. The default picks it where
   ``Options.winograd`` is on and its measured rule (``winograd.why_not``) says it is
   faster; named in ``algorithms=`` it runs wherever it applies.
+- ``winograd_f2x2``: Winograd F(2x2,3x3) (``winograd_f2.py``: transforms generated from
+  its matrices); 16/9 of the weight instead of 36/9, approximate with a smaller measured
+  bound; runs where named or tuned, never by the default's rule.
 - ``im2col_gemm``: the input's patches copied into a workspace (im2row: one row per output
   pixel, columns (kh, kw, c)) and multiplied by the weight with the framework's GEMM
   (``addmm``; ``bmm`` per group), then the residual add and the activation in place.
@@ -47,6 +50,7 @@ from ...options import Options
 from ...version import __version__
 from . import tuning
 from . import winograd as wg
+from . import winograd_f2 as wg2
 from .calls import _conv_geometry, activation_attrs, inplace_activation, vendor_kernel
 from .im2col import (
     im2col_applies,
@@ -160,6 +164,12 @@ def _winograd_build(
     return wg.winograd_kernel(graph, node, options, hardware, rule=False)
 
 
+def _winograd_f2_build(
+    graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
+) -> Kernel | None:
+    return wg2.kernel(graph, node, options, hardware)
+
+
 # ----------------------------------------------------------------- the tables
 VENDOR = Algorithm(
     "vendor",
@@ -188,13 +198,24 @@ IM2COL_GEMM = Algorithm(
     im2col_extra,
     description="im2row of the input into a workspace, then the framework's GEMM",
 )
+WINOGRAD_F2X2 = Algorithm(
+    "winograd_f2x2",
+    "conv2d",
+    _winograd_applies,
+    _winograd_f2_build,
+    wg2.extra_bytes,
+    exact=False,
+    error_bound=wg2.ERROR_BOUND,  # measured: see winograd_f2.py
+    description="Winograd F(2x2,3x3): transforms generated from its matrices around the "
+    "framework's GEMM; 16/9 of the weight instead of F(4x4)'s 36/9",
+)
 LINEAR_VENDOR = dataclasses.replace(
     VENDOR, op="linear", description="oneDNN/MKL (packed where measured faster) or F.linear"
 )
 
 # Per op, its algorithms by name; the first is the default's fallback.
 ALGORITHMS: dict[str, dict[str, Algorithm]] = {
-    "conv2d": {a.name: a for a in (VENDOR, WINOGRAD_F4X4, IM2COL_GEMM)},
+    "conv2d": {a.name: a for a in (VENDOR, WINOGRAD_F4X4, IM2COL_GEMM, WINOGRAD_F2X2)},
     "linear": {LINEAR_VENDOR.name: LINEAR_VENDOR},
 }
 
