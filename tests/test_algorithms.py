@@ -223,7 +223,7 @@ def test_unknown_names_are_a_clear_error(tmp_path):
     m, x = _net(), torch.randn(1, 3, 8, 8)
     with pytest.raises(
         OptionsError,
-        match="known: default, autotune, vendor, winograd_f4x4, im2col_gemm, winograd_f2x2",
+        match="known: default, autotune, auto, vendor, winograd_f4x4, im2col_gemm, winograd_f2x2",
     ):
         middleware.optimize(m, example_inputs=[x], cache_dir=tmp_path, algorithms={"conv2d": "fft"})
     with pytest.raises(OptionsError, match="unknown conv2d algorithm 'nope'"):

@@ -258,3 +258,90 @@ def test_autotune_respects_the_memory_cap(monkeypatch, tmp_path):
     with torch.inference_mode():
         _close(opt(x), m(x))
     assert {r.algorithm for r in opt.report().rows if r.op == "conv2d"} == {"vendor"}
+
+
+def _optimize_with(tmp_path, selector):
+    m = _ns["make"]()
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 12, 10)
+    opt = middleware.optimize(
+        m, example_inputs=[x], cache_dir=tmp_path, measure_hardware=False,
+        algorithms={"conv2d": selector},
+    )  # fmt: skip
+    with torch.inference_mode():
+        _close(opt(x), m(x))
+    return [r for r in opt.report().rows if r.op == "conv2d"]
+
+
+def test_auto_without_stored_decisions_is_the_default_and_times_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(tuning, "TIMER", _no_timing)
+    monkeypatch.setattr(tuning, "best_of", lambda *a, **k: pytest.fail("auto tuned"))
+    rows = _optimize_with(tmp_path, "auto")
+    default = _optimize_with(tmp_path / "default", "default")
+    assert [r.algorithm for r in rows] == [r.algorithm for r in default] == ["vendor"] * 4
+    for r in rows:
+        assert (
+            r.reason
+            == "auto: no stored tuning decision for this problem size; the default rule: vendor"
+        )
+    assert not (tmp_path / "tuning" / "decisions.json").exists()
+
+
+def test_auto_uses_the_stored_decision_per_problem_else_the_default(monkeypatch, tmp_path):
+    """After autotuning (the fake timer makes im2col_gemm the fastest), "auto" in a new
+    process takes each stored decision without timing; a problem whose decision is gone
+    gets the default rule, and its row says so."""
+    monkeypatch.setattr(tuning, "TIMER", _fake_timer)
+    tuned = _optimize(tmp_path)
+    assert [r.algorithm for r in tuned] == ["im2col_gemm"] * 4
+    path = tmp_path / "tuning" / "decisions.json"
+    stored = json.loads(path.read_text())
+    # forget the 1x1 conv's decision (c4: 16 -> 32 channels)
+    (one_by_one,) = [k for k, d in stored.items() if d["problem"]["weight_shape"][2:] == [1, 1]]
+    del stored[one_by_one]
+    path.write_text(json.dumps(stored))
+    tuning.clear_memo()  # as a new process would start: only the file
+    monkeypatch.setattr(tuning, "TIMER", _no_timing)
+    rows = _optimize_with(tmp_path, "auto")
+    assert [r.algorithm for r in rows] == ["im2col_gemm"] * 3 + ["vendor"]
+    for r in rows[:2]:
+        assert r.reason.startswith("auto: stored decision (in the cache directory): "), r
+    # c3 is c2's problem: the decision c2 read from the file is answered from the memo
+    assert rows[2].reason.startswith("auto: stored decision (in this process): ")
+    assert all("im2col_gemm best of" in r.reason for r in rows[:3])
+    assert rows[3].reason.startswith("auto: no stored tuning decision for this problem size")
+    assert json.loads(path.read_text()).keys() == stored.keys()  # auto stores nothing
+    # within the process the memo answers: same algorithms, "in this process"
+    rows = _optimize_with(tmp_path, "auto")
+    assert rows[0].reason.startswith("auto: stored decision (in this process): ")
+
+
+def test_auto_is_a_known_name_and_not_registrable():
+    assert "auto" in alg.algorithm_names("conv2d")
+    with pytest.raises(middleware.OptionsError):
+        middleware.register_algorithm("conv2d", "auto", F.conv2d)
+
+
+def test_auto_falls_back_to_the_default_rule_within_the_memory_cap(monkeypatch, tmp_path):
+    """No decision stored: the default's measured rule decides (Winograd F(4x4) on a 64->64
+    layer once its pixel threshold is met), and max_extra_bytes keeps it out as it does for
+    the default."""
+    from fusion_helpers import conv_graph, hardware
+
+    from middleware.backends.vendor import winograd as wg
+    from middleware.options import Options
+
+    monkeypatch.setattr(tuning, "TIMER", _no_timing)
+    monkeypatch.setattr(wg, "MIN_PIXELS", 1)
+    g, node = conv_graph((1, 64, 8, 8), (64, 64, 3, 3), "nhwc", padding=1, activation="relu")
+    cpu = torch.device("cpu")
+    opts = Options(cache_dir=tmp_path, algorithms={"conv2d": "auto"})
+    choice = alg.choose(g, node, cpu, opts, hardware())
+    assert choice.algorithm == "winograd_f4x4"
+    assert choice.reason == (
+        "auto: no stored tuning decision for this problem size; "
+        "the default rule: winograd F(4x4,3x3)"
+    )
+    capped = Options(cache_dir=tmp_path, algorithms={"conv2d": "auto"}, max_extra_bytes=0)
+    choice = alg.choose(g, node, cpu, capped, hardware())
+    assert choice.algorithm == "vendor" and choice.reason.endswith("the default rule: vendor")

@@ -26,7 +26,9 @@ linear: ``vendor`` only.
 
 :func:`choose` picks one algorithm per layer from ``Options.algorithms`` (a string, a
 list by layer index, or a callable on a :class:`Layer`; "default" lets the middleware
-decide; "autotune" measures every usable one, :func:`tuned_choice` and ``tuning.py``); a
+decide; "autotune" measures every usable one, :func:`tuned_choice` and ``tuning.py``;
+"auto" takes the stored tuning decision for the layer's problem size where one exists,
+else the default, :func:`auto_choice`); a
 named algorithm that does not apply, or whose extra bytes exceed
 ``Options.max_extra_bytes``, falls back to the default with the reason.
 :func:`register_algorithm` adds a user's algorithm (a Python callable with
@@ -67,6 +69,7 @@ Build = Callable[[Graph, Node, torch.device, Options, Hardware], Kernel | None]
 
 DEFAULT = "default"
 AUTOTUNE = "autotune"  # measure every applicable algorithm on the layer (tuning.py)
+AUTO = "auto"  # the stored tuning decision for the layer's problem, else the default
 
 
 def _no_extra(graph: Graph, node: Node) -> int:
@@ -221,9 +224,9 @@ ALGORITHMS: dict[str, dict[str, Algorithm]] = {
 
 
 def algorithm_names(op: str) -> list[str]:
-    """The names ``algorithms=`` takes for ``op``: "default", "autotune" and every
+    """The names ``algorithms=`` takes for ``op``: "default", "autotune", "auto" and every
     registered one."""
-    return [DEFAULT, AUTOTUNE, *ALGORITHMS.get(op, {})]
+    return [DEFAULT, AUTOTUNE, AUTO, *ALGORITHMS.get(op, {})]
 
 
 # A user algorithm's call: F.conv2d's signature (x, weight, bias, stride, padding,
@@ -255,7 +258,7 @@ def register_algorithm(
     built-in one cannot be replaced."""
     if op != "conv2d":
         raise OptionsError(f"register_algorithm: only conv2d takes user algorithms, not {op!r}")
-    if not name or name in (DEFAULT, AUTOTUNE):
+    if not name or name in (DEFAULT, AUTOTUNE, AUTO):
         raise OptionsError(f"register_algorithm: {name!r} is not a valid algorithm name")
     table = ALGORITHMS[op]
     old = table.get(name)
@@ -369,9 +372,9 @@ def check_selection(algorithms: Any) -> None:
 
 
 def _lookup(op: str, name: Any) -> Algorithm | None:
-    """The algorithm ``name`` of ``op``; None for "default" and "autotune"; OptionsError
-    when unknown."""
-    if name in (DEFAULT, AUTOTUNE):
+    """The algorithm ``name`` of ``op``; None for "default", "autotune" and "auto";
+    OptionsError when unknown."""
+    if name in (DEFAULT, AUTOTUNE, AUTO):
         return None
     table = ALGORITHMS.get(op, {})
     if not isinstance(name, str) or name not in table:
@@ -464,6 +467,8 @@ def choose(
     algorithm = _lookup(node.op, name)
     if name == AUTOTUNE:
         return tuned_choice(graph, node, device, options, hardware)
+    if name == AUTO:
+        return auto_choice(graph, node, device, options, hardware)
     if algorithm is None:
         return default_choice(graph, node, device, options, hardware)
     why = _usable(algorithm, graph, node, device, options)
@@ -512,6 +517,41 @@ def _tuning_inputs(graph: Graph, node: Node, device: torch.device) -> list[torch
     return args
 
 
+def _candidates(graph: Graph, node: Node, device: torch.device, options: Options) -> list[str]:
+    """The algorithms autotuning measures at ``node``: every one that applies within the
+    memory cap (a decision is stored under this set)."""
+    table = ALGORITHMS.get(node.op, {})
+    return [n for n, a in table.items() if _usable(a, graph, node, device, options) is None]
+
+
+def auto_choice(
+    graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
+) -> Choice | None:
+    """``"auto"``: the algorithm a stored tuning decision names for ``node``'s problem size
+    (the one "autotune" would reuse: same problem, candidate set, hardware and version),
+    else :func:`default_choice`; never times anything. The reason says which, and why."""
+    table = ALGORITHMS.get(node.op, {})
+    names = _candidates(graph, node, device, options)
+    why = "no stored tuning decision for this problem size"
+    if names:
+        key = tuning.decision_key(problem_of(graph, node), names, hardware.key())
+        record, whence = tuning.DecisionStore(options.cache_dir).get(key)
+        if record is not None and record.get("algorithm") in names:
+            name = record["algorithm"]
+            fn = table[name].build(graph, node, device, options, hardware)
+            if fn is not None:
+                how = "in the cache directory" if whence == "cached" else "in this process"
+                return Choice(fn, name, f"auto: stored decision ({how}): {record['summary']}")
+            why = f"the stored decision ({name}) failed to build"
+        elif record is not None:
+            why = f"the stored decision ({record.get('algorithm')}) is no longer usable"
+    fallback = default_choice(graph, node, device, options, hardware)
+    if fallback is None:
+        return None
+    rule = f"the default rule: {fallback.reason or fallback.algorithm}"
+    return Choice(fallback.fn, fallback.algorithm, f"auto: {why}; {rule}")
+
+
 def tuned_choice(
     graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
 ) -> Choice | None:
@@ -520,13 +560,13 @@ def tuned_choice(
     candidates whose error against the vendor call on the tuning input exceeds their
     ``error_bound`` are rejected. Decisions are stored in ``options.cache_dir``."""
     table = ALGORITHMS.get(node.op, {})
-    names = [n for n, a in table.items() if _usable(a, graph, node, device, options) is None]
+    names = _candidates(graph, node, device, options)
     if not names:
         return default_choice(graph, node, device, options, hardware)
     key = tuning.decision_key(problem_of(graph, node), names, hardware.key())
     store = tuning.DecisionStore(options.cache_dir)
     record, whence = store.get(key)
-    if record is not None and record["algorithm"] in table:
+    if record is not None and record["algorithm"] in names:
         fn = table[record["algorithm"]].build(graph, node, device, options, hardware)
         if fn is not None:
             how = "cached" if whence == "cached" else "same problem tuned before"
@@ -602,11 +642,13 @@ def describe(op: str = "conv2d") -> list[str]:
 
 __all__ = [
     "ALGORITHMS",
+    "AUTO",
     "DEFAULT",
     "Algorithm",
     "Choice",
     "Layer",
     "algorithm_names",
+    "auto_choice",
     "check_selection",
     "choose",
     "im2col_kernel",
