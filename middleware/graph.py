@@ -87,6 +87,12 @@ class Node:
         return dataclasses.replace(self, **changes)
 
 
+# ``graph.meta[PARAM_SOURCES]``: parameter name -> (the array the frontend stored, the user's
+# tensor it came from). A plan may use the user's tensor itself for a constant the passes left
+# as it was (``backends.interface.constant_tensor``): one copy of unchanged weights.
+PARAM_SOURCES = "param_sources"
+
+
 class Graph:
     """A dataflow graph of :class:`Node` records over named, typed values.
 

@@ -60,6 +60,32 @@ def to_tensor(array: np.ndarray, device: torch.device, layout: str = "nchw") -> 
     return t
 
 
+def constant_tensor(
+    array: np.ndarray, source: Any, device: torch.device, layout: str = "nchw"
+) -> torch.Tensor:
+    """A graph constant as a framework tensor on ``device``: the user's own tensor where the
+    frontend recorded it as ``source`` (``(array, tensor)``: ``graph.meta[PARAM_SOURCES]``)
+    and it is still what the graph holds (``array`` itself, not a pass's transformed copy),
+    on ``device``, float32 and stored as ``layout`` asks; else a copy (:func:`to_tensor`).
+    Sharing keeps one copy of unchanged weights on a GPU (the frontend's numpy array is a
+    host copy there); a changed weight rebuilds the plan (``runtime.weights``) either way."""
+    if source is not None:
+        src_array, tensor = source
+        if (
+            src_array is array
+            and tensor.device == device
+            and tensor.dtype == torch.float32
+            and tuple(tensor.shape) == array.shape
+            and (
+                tensor.is_contiguous(memory_format=torch.channels_last)
+                if layout == "nhwc" and tensor.dim() == 4
+                else tensor.is_contiguous()
+            )
+        ):
+            return tensor
+    return to_tensor(array, device, layout)
+
+
 def node_step(
     graph: Graph, node: Node, device: torch.device
 ) -> tuple[RunsAs, Callable[..., Any], str]:

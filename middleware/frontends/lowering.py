@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import UnsupportedError
-from ..graph import Graph, Node, TensorType
+from ..graph import PARAM_SOURCES, Graph, Node, TensorType
 from ..ops import ValueRef
 from .rule_helpers import Unsupported, V
 from .tracer import fetch_attr
@@ -65,8 +65,12 @@ class Lowering:
         if key in self.param_of:
             return V(self.param_of[key][0])
         name = self.g.fresh_name(name)
-        self.g.add_param(name, tensor.detach().cpu().numpy())
+        array = tensor.detach().cpu().numpy()
+        self.g.add_param(name, array)
         self.param_of[key] = (name, tensor)  # keeps the tensor alive so its id stays unique
+        # the user's own tensor behind the constant: a plan on its device may use it as it
+        # is (interface.constant_tensor) while the graph still holds this very array
+        self.g.meta.setdefault(PARAM_SOURCES, {})[name] = (array, tensor.detach())
         return V(name)
 
     def lower_arg(self, a: Any) -> Any:

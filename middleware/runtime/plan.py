@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ..backends.interface import Unit, node_unit, to_tensor
+from ..backends.interface import Unit, constant_tensor, node_unit
 from ..enums import RunsAs
-from ..graph import Graph, map_tree
+from ..graph import PARAM_SOURCES, Graph, map_tree
 from .memory import plan_memory as make_memory_plan
 
 
@@ -204,8 +204,9 @@ def build_plan(
     for v in graph.inputs:
         slot(v)
     constants: dict[int, torch.Tensor] = {}
+    sources = graph.meta.get(PARAM_SOURCES, {})
     for p, arr in graph.params.items():
-        constants[slot(p)] = to_tensor(arr, device, graph.values[p].layout)
+        constants[slot(p)] = constant_tensor(arr, sources.get(p), device, graph.values[p].layout)
     if units is None:
         units = [node_unit(graph, n, device) for n in graph.nodes()]
     # liveness: the last unit that reads each slot frees it (never inputs, params, outputs)
