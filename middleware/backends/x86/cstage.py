@@ -142,9 +142,14 @@ class Interior:
     box: tuple[tuple[int, int] | None, ...]
     taps: tuple[dict[str, int], ...]
     divisor: int | None
+    # window variables whose bounds depend on the inner (SIMD) variable only: per value,
+    # the inner indices (lo, hi) where that value is inside the input (lo > hi: nowhere)
+    lanes: dict[str, dict[int, tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
 
-def find_interior(st: Stage, shape: tuple[int, int, int, int]) -> Interior | None:
+def find_interior(
+    st: Stage, shape: tuple[int, int, int, int], inner_dim: int | None = None
+) -> Interior | None:
     """The interior of reduction stage ``st`` over its value of logical ``shape``, or None
     (no window, window bounds that depend on each other, too many taps, no interior)."""
     red = st.reduction
@@ -192,7 +197,23 @@ def find_interior(st: Stage, shape: tuple[int, int, int, int]) -> Interior | Non
         dict(zip(kvars, ks, strict=True))
         for ks in itertools.product(*[range(a, b + 1) for a, b in full])
     )
-    return Interior(tuple(box), taps, divisor)
+    lanes: dict[str, dict[int, tuple[int, int]]] = {}
+    if inner_dim is not None:
+        iv = DIMS[inner_dim]
+        for lp, lo, hi, (a, b) in zip(red.point_loops, lows, highs, full, strict=True):
+            if iv not in variables(lp.lo) | variables(lp.hi):
+                continue
+            at = [0, 0, 0, 0]
+            at[inner_dim] = slice(None)
+            lo1, hi1 = lo[tuple(at)], hi[tuple(at)]
+            ranges = {}
+            for k in range(a, b + 1):
+                ok = np.nonzero((lo1 <= k) & (k <= hi1))[0]
+                if ok.size and ok[-1] - ok[0] + 1 != ok.size:
+                    return None
+                ranges[k] = (int(ok[0]), int(ok[-1])) if ok.size else (1, 0)
+            lanes[lp.var] = ranges
+    return Interior(tuple(box), taps, divisor, lanes)
 
 
 # --------------------------------------------------------------------- rendering
@@ -320,7 +341,7 @@ class StageWriter:
                 lambda v: [self.vstore(st, v, v.expr(expr))],
             )
         else:
-            interior = find_interior(st, target.shape)
+            interior = find_interior(st, target.shape, self.inner_dim)
             if interior is None:
                 self.general(st, expr, d)
             else:
@@ -330,7 +351,9 @@ class StageWriter:
                     if b is not None and k != self.inner_dim
                 ]
                 cond = " && ".join(f"{v} >= {a} && {v} <= {b}" for v, (a, b) in outer)
-                if cond:
+                if self.vector_reduction(st, expr, interior, cond, d):
+                    pass
+                elif cond:
                     self.emit(d, f"if ({cond}) {{")
                     self.fast(st, expr, interior, d + 1)
                     self.emit(d, "} else {")
@@ -404,6 +427,141 @@ class StageWriter:
         if lines is not None:
             self.emit(0, "#endif")
             self.emit(d, "}")
+
+    def chunk_loop(self, d: int, v: VecExpr, lo_: str, hi_: str) -> None:
+        """Opens the loop over chunks of ``LANES`` lanes of ``lo_..hi_`` (their first
+        lane ``<var>0_``, live lanes ``s_..e_``, masks ``mk`` and, for stride-2 loads,
+        ``mk2a``/``mk2b``); the caller closes it."""
+        v0 = v.start
+        skew = f"(({v.nt_offset_at(lo_)}) & {LANES - 1})" if v.nt_target else "0"
+        self.emit(d, f"for (int {v0} = {lo_} - {skew}; {v0} <= {hi_}; {v0} += {LANES}) {{")
+        self.emit(
+            d + 1,
+            f"const int s_ = {lo_} > {v0} ? {lo_} - {v0} : 0, "
+            f"e_ = {hi_} - {v0} < {LANES - 1} ? {hi_} - {v0} : {LANES - 1};",
+        )
+        self.emit(d + 1, "const __mmask16 mk = mw_range(s_, e_);")
+        if v.stride2:
+            self.emit(
+                d + 1,
+                "const __mmask16 mk2a = mw_range(2 * s_, 2 * e_), "
+                "mk2b = mw_range(2 * s_ - 16, 2 * e_ - 16);",
+            )
+
+    def vector_reduction(
+        self, st: Stage, expr: Expr, interior: Interior, cond: str, d: int
+    ) -> bool:
+        """A reduction stage with an interior, written as one AVX-512 loop over the whole
+        inner range: a chunk inside the interior takes the unrolled taps; any other (a
+        border row or column) the same taps, each masked to the lanes where it lies inside
+        the input (its loads masked too, so nothing outside is read) and replaced by the
+        reduction's identity elsewhere, with the divisor of each lane. The portable loops
+        stay under ``#else``. False (nothing written) when it cannot be vectorised."""
+        red = st.reduction
+        assert red is not None
+        if self.vec is None or self.s.simd_floats != LANES or red.op not in _IDENTITY:
+            return False
+        inner = st.inner
+        var = inner.var
+        v = self.vec(var, f"{var}0_", self.rows, self.scalars)
+        box = interior.box[self.inner_dim]
+        try:
+            fast = self.vector_taps(st, expr, interior, v, guarded=False)
+            slow = self.vector_taps(st, expr, interior, v, guarded=True)
+        except Unsupported:
+            return False
+        lo_, hi_ = f"lo_{var}_", f"hi_{var}_"
+        self.emit(d, "{")
+        self.emit(d + 1, f"const int {lo_} = {self.tidy(inner.lo)}, {hi_} = {self.tidy(inner.hi)};")
+        self.emit(0, "#ifdef __AVX512F__")
+        self.emit(d + 1, f"const int outer_in_ = {cond or 1};")
+        self.chunk_loop(d + 1, v, lo_, hi_)
+        inside = "outer_in_"
+        if box is not None:
+            inside += f" && {v.start} + s_ >= {box[0]} && {v.start} + e_ <= {box[1]}"
+        self.emit(d + 2, f"if ({inside}) {{")
+        for line in fast:
+            self.emit(d + 3, line)
+        self.emit(d + 2, "} else {")
+        for line in slow:
+            self.emit(d + 3, line)
+        self.emit(d + 2, "}")
+        self.emit(d + 1, "}")
+        self.emit(0, "#else")
+        if cond:
+            self.emit(d + 1, f"if ({cond}) {{")
+            self.fast(st, expr, interior, d + 2)
+            self.emit(d + 1, "} else {")
+            self.general(st, expr, d + 2)
+            self.emit(d + 1, "}")
+        else:
+            self.fast(st, expr, interior, d + 1)
+        self.emit(0, "#endif")
+        self.emit(d, "}")
+        return True
+
+    def vector_taps(
+        self, st: Stage, expr: Expr, interior: Interior, v: VecExpr, guarded: bool
+    ) -> list[str]:
+        """The statements of one chunk: every tap, the reduction, the epilogue, the store.
+        ``guarded``: each tap only where inside the input (see ``vector_reduction``)."""
+        red = st.reduction
+        assert red is not None
+        ident = f"_mm512_set1_ps({self.c_float(_IDENTITY[red.op])})"
+        out, names = [], []
+        for i, env in enumerate(interior.taps):
+            body = subst_expr(red.body, env)
+            if not guarded:
+                out.append(f"const __m512 x{i} = {v.expr(body)};")
+            else:
+                lanes, conds = "mk", []
+                for lp in red.point_loops:
+                    k = env[lp.var]
+                    if lp.var in interior.lanes:
+                        a, b = interior.lanes[lp.var][k]
+                        lanes = f"{lanes} & mw_range({a} - {v.start}, {b} - {v.start})"
+                    elif v.var in variables(lp.lo) | variables(lp.hi):
+                        raise Unsupported("window bounds depend on the inner variable")
+                    else:
+                        conds.append(f"{self.tidy(lp.lo)} <= {k} && {k} <= {self.tidy(lp.hi)}")
+                out.append(f"const __mmask16 vk{i} = {lanes};")
+                v.mask = f"vk{i}"
+                value = f"_mm512_mask_blend_ps(vk{i}, {ident}, {v.expr(body)})"
+                v.mask = "mk"
+                if conds:
+                    value = f"({' && '.join(conds)}) ? {value} : {ident}"
+                out.append(f"const __m512 x{i} = {value};")
+            names.append(f"x{i}")
+        if red.init != _IDENTITY[red.op]:
+            out.append(f"const __m512 x{len(names)} = {v.expr(Const(red.init))};")
+            names.append(f"x{len(names)}")
+        if red.op == "sum":
+            out.append(f"__m512 sum_ = {names[0]};")
+            out += [f"sum_ = _mm512_add_ps(sum_, {x});" for x in names[1:]]
+            total = "sum_"
+        else:
+            out.append(f"__m512 m_ = {names[0]};")
+            out += [f"m_ = _mm512_{red.op}_ps(m_, {x});" for x in names[1:]]
+            pairs = [names[i : i + 2] for i in range(0, len(names), 2)]
+            nan = " | ".join(f"_mm512_cmp_ps_mask({p[0]}, {p[-1]}, _CMP_UNORD_Q)" for p in pairs)
+            out.append(f"const __mmask16 nan_ = {nan};")
+            total = "_mm512_mask_blend_ps(nan_, m_, _mm512_set1_ps(NAN))"
+        if red.divisor is not None:
+            if not guarded and interior.divisor is not None:
+                div = f"_mm512_set1_ps({self.c_float(float(interior.divisor))})"
+            elif v.var not in variables(red.divisor):
+                div = f"_mm512_set1_ps((float)({to_c(red.divisor)}))"
+            else:
+                out.append("float dv_[16];")
+                out.append(
+                    f"for (int l_ = 0; l_ < 16; ++l_) {{ const int {v.var} = {v.start} + l_; "
+                    f"dv_[l_] = (float)({to_c(red.divisor)}); }}"
+                )
+                div = "_mm512_loadu_ps(dv_)"
+            total = f"_mm512_div_ps({total}, {div})"
+        out.append(f"const __m512 acc_v = {total};")
+        out.append(self.vstore(st, v, v.expr(expr)))
+        return out
 
     def vstore(self, st: Stage, v: VecExpr, value: str) -> str:
         """The masked store of the chunk's ``value`` into the stage's target."""

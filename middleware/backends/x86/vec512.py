@@ -134,6 +134,7 @@ class VecExpr:
         self.rows, self.scalars = rows, scalars
         self.stride2 = False  # a stride-2 load needs the two masks mk2a/mk2b
         self.nt_target: Buffer | None = None  # the target, when stored non-temporally
+        self.mask = "mk"  # the lanes the loads read (a guarded tap: its own)
 
     def target_address(self, b: Buffer) -> str:
         """``&target[element (n, c, h, w)]`` at the chunk's first lane."""
@@ -150,7 +151,8 @@ class VecExpr:
         if x.value in self.scalars:
             return f"_mm512_set1_ps({x.value})"
         if x.value in self.rows:
-            return f"_mm512_maskz_loadu_ps(mk, &{x.value}[{self.start} - {self.rows[x.value]}])"
+            row = f"&{x.value}[{self.start} - {self.rows[x.value]}]"
+            return f"_mm512_maskz_loadu_ps({self.mask}, {row})"
         b = self.buffer_of(x.value)
         s = stride_of(x.index, self.var, b.strides, b.extent)
         base = f"&{self.ident(b)}[{self.address(b, tuple(at(i, self.var, self.start) for i in x.index))}]"
@@ -159,16 +161,22 @@ class VecExpr:
     def _access(self, base: str, s: int) -> str:
         if s == 0:
             return f"_mm512_set1_ps(*({base}))"
+        m = self.mask
         if s == 1:
-            return f"_mm512_maskz_loadu_ps(mk, {base})"
+            return f"_mm512_maskz_loadu_ps({m}, {base})"
         if s == 2:
-            self.stride2 = True
+            if m == "mk":
+                self.stride2 = True
+                ma, mb = "mk2a", "mk2b"
+            else:  # lane i reads element 2i: the lane bits spread to the even bits
+                ma = f"(__mmask16)_pdep_u32({m} & 0xFF, 0x5555)"
+                mb = f"(__mmask16)_pdep_u32(({m} >> 8) & 0xFF, 0x5555)"
             return (
-                f"_mm512_permutex2var_ps(_mm512_maskz_loadu_ps(mk2a, {base}), "
-                f"_mm512_load_si512(mw_even), _mm512_maskz_loadu_ps(mk2b, ({base}) + 16))"
+                f"_mm512_permutex2var_ps(_mm512_maskz_loadu_ps({ma}, {base}), "
+                f"_mm512_load_si512(mw_even), _mm512_maskz_loadu_ps({mb}, ({base}) + 16))"
             )
         return (
-            f"_mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, "
+            f"_mm512_mask_i32gather_ps(_mm512_setzero_ps(), {m}, "
             f"_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, "
             f"2, 1, 0), _mm512_set1_epi32({s})), {base}, 4)"
         )
