@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ...index_expr import Int, Ix, Op, Var, evaluate, to_c, variables
-from ...loops import DIMS, EXPENSIVE_FUNCTIONS, Acc, Call, Const, Expr, Load, ParamVec
+from ...loops import DIMS, EXPENSIVE_FUNCTIONS, Acc, Call, Const, Expr, Load, ParamVec, leaves
 from ...passes.schedule_ir import ORDER, Loop, Schedule, Stage
 from .cfuncs import C_FUNCS, c_expr
 from .vec512 import LANES, Unsupported, VecExpr, stride_of
@@ -509,6 +509,8 @@ class StageWriter:
         assert red is not None
         ident = f"_mm512_set1_ps({self.c_float(_IDENTITY[red.op])})"
         out, names = [], []
+        if not guarded:
+            out += self.prefetches(st, interior, v)
         for i, env in enumerate(interior.taps):
             body = subst_expr(red.body, env)
             if not guarded:
@@ -561,6 +563,43 @@ class StageWriter:
             total = f"_mm512_div_ps({total}, {div})"
         out.append(f"const __m512 acc_v = {total};")
         out.append(self.vstore(st, v, v.expr(expr)))
+        return out
+
+    def prefetches(self, st: Stage, interior: Interior, v: VecExpr) -> list[str]:
+        """Software prefetches of the lines the next iteration of the innermost outer loop
+        reads, when the window also runs along the inner dim (NCHW pooling: short rows,
+        three of them per output row, which the hardware prefetcher follows late;
+        measured on one core, BN->ReLU->3x3/2 max-pool: 62% -> 69% of the streaming
+        kernel). One prefetch per line of the chunk's span, for the taps at the first
+        offset of the inner dim's window."""
+        red = st.reduction
+        assert red is not None
+        if not st.loops or not interior.lanes:
+            return []
+        outer = st.loops[-1].var
+        first = {k: min(r) for k, r in interior.lanes.items()}
+        out: list[str] = []
+        seen: set[str] = set()
+        for env in interior.taps:
+            if any(env[k] != first[k] for k in first):
+                continue
+            for x in leaves(subst_expr(red.body, env)):
+                if not isinstance(x, Load) or x.value in v.rows or x.value in v.scalars:
+                    continue
+                b = self.s.buffer_of(x.value)
+                try:
+                    step = stride_of(x.index, outer, b.strides, b.extent)
+                    span = stride_of(x.index, v.var, b.strides, b.extent) * LANES
+                except Unsupported:
+                    continue
+                if step == 0 or span <= 0:
+                    continue
+                addr = v.load_address(x)
+                for off in range(0, span, LANES):
+                    text = f"_mm_prefetch((const char *)(({addr}) + {step + off}), _MM_HINT_T0);"
+                    if text not in seen:
+                        seen.add(text)
+                        out.append(text)
         return out
 
     def vstore(self, st: Stage, v: VecExpr, value: str) -> str:

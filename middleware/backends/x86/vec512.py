@@ -147,6 +147,12 @@ class VecExpr:
         idx = tuple(at(Var(d), self.var, first) for d in ("n", "c", "h", "w"))
         return self.address(self.nt_target, idx)
 
+    def load_address(self, x: Load) -> str:
+        """``&buffer[element]`` of load ``x`` at the chunk's first lane."""
+        b = self.buffer_of(x.value)
+        idx = tuple(at(i, self.var, self.start) for i in x.index)
+        return f"&{self.ident(b)}[{self.address(b, idx)}]"
+
     def load(self, x: Load) -> str:
         if x.value in self.scalars:
             return f"_mm512_set1_ps({x.value})"
