@@ -68,9 +68,30 @@ def built() -> Callable[[str], _Built]:
     return get
 
 
-@pytest.mark.slow
+# In the default run (the others are marked slow, `-m slow` runs them): one network per
+# family of distinct ops and passes: plain residual convs (resnet18), depthwise + relu6
+# (mobilenet_v2), hardswish/hardsigmoid and squeeze-excitation multiplies
+# (mobilenet_v3_small), channel shuffle and chunk (shufflenet_v2_x1_0), fire-module concats
+# and ceil-mode pools (squeezenet1_1), inception concats with pools in front (googlenet).
+# Every one of the eleven also runs end to end at batch 1 in the default run through
+# tests/test_memory_planner.py::test_networks_match_pytorch_with_planning.
+DEFAULT_RUN = (
+    "resnet18",
+    "mobilenet_v2",
+    "mobilenet_v3_small",
+    "shufflenet_v2_x1_0",
+    "squeezenet1_1",
+    "googlenet",
+)
+
+
+def _param(name: str, *values, id: str) -> pytest.param:
+    marks = () if name in DEFAULT_RUN else (pytest.mark.slow,)
+    return pytest.param(*values, id=id, marks=marks)
+
+
 @pytest.mark.parametrize(
-    ("name", "batch"), [pytest.param(n, b, id=f"{n}-b{b}") for n in NETWORKS for b in (1, 3)]
+    ("name", "batch"), [_param(n, n, b, id=f"{n}-b{b}") for n in NETWORKS for b in (1, 3)]
 )
 def test_network_matches_pytorch(name: str, batch: int, built) -> None:
     net = built(name)
@@ -90,8 +111,11 @@ def test_network_matches_pytorch(name: str, batch: int, built) -> None:
 SLICED_AND_WINOGRAD = ("vgg16", "resnet18")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(NETWORKS))
+# At batch 16 only resnet18 in the default run: it shows batch slicing and Winograd (the
+# two features this test is about) at a fifth of vgg16's cost; the rest are slow.
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n == "resnet18" else pytest.mark.slow) for n in NETWORKS]
+)
 def test_network_at_batch_16_matches_pytorch(name: str) -> None:
     """The benchmarked batch: batch slicing ("auto") and Winograd (on) as optimize() picks
     them, the plan's outputs against PyTorch."""

@@ -13,16 +13,32 @@ import torch.nn as nn
 
 tvm = pytest.importorskip("torchvision.models")
 
-from middleware.passes import DEFAULT_HARDWARE, run_passes  # noqa: E402
-from middleware.passes.verify import relative_error  # noqa: E402
-
 import middleware  # noqa: E402
 from middleware import trace  # noqa: E402
 from middleware.graph import Graph  # noqa: E402
 from middleware.models import NETWORKS  # noqa: E402
 from middleware.options import Options  # noqa: E402
+from middleware.passes import DEFAULT_HARDWARE, run_passes  # noqa: E402
+from middleware.passes.verify import relative_error  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# In the default run: alexnet (linear layers, relus merged into max-pools), resnet18
+# (batch-norms folded into convolutions, residual adds) and squeezenet1_1 (poolings moved in
+# front of concats); googlenet's concat rewrite runs in the default run through
+# test_googlenet_shared_concats_move_in_the_pipeline (passes only). The other networks'
+# cases are marked slow (`-m slow` runs them).
+DEFAULT_RUN = ("alexnet", "resnet18", "squeezenet1_1")
+
+
+def nets(*cases):
+    """The cases as params, those of networks outside ``DEFAULT_RUN`` marked slow."""
+    out = []
+    for case in cases:
+        name = case[0] if isinstance(case, tuple) else case
+        values = case if isinstance(case, tuple) else (case,)
+        marks = () if name in DEFAULT_RUN else (pytest.mark.slow,)
+        out.append(pytest.param(*values, marks=marks))
+    return out
+
 
 # Small inputs keep the test fast; inception_v3 needs at least 75x75.
 SIZE = {"inception_v3": 80}
@@ -80,7 +96,7 @@ def optimized(name: str) -> tuple[middleware.runtime.module.OptimizedModule, flo
     return om, relative_error(ref, out)
 
 
-@pytest.mark.parametrize("name", NETWORKS)
+@pytest.mark.parametrize("name", nets(*NETWORKS))
 def test_optimized_network_matches_pytorch(name):
     om, err = optimized(name)
     assert err <= TOL
@@ -108,7 +124,7 @@ def test_optimized_network_matches_pytorch(name):
     assert len(str(report).splitlines()) < len(g) + 20
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet50", "mobilenet_v2", "densenet121"])
+@pytest.mark.parametrize("name", nets("resnet18", "resnet50", "mobilenet_v2", "densenet121"))
 def test_batch_norms_folded(name):
     g = optimized(name)[0].graph
     bns = [n for n in g.nodes() if n.op == "batch_norm"]
@@ -121,7 +137,7 @@ def test_batch_norms_folded(name):
         assert bns == []
 
 
-@pytest.mark.parametrize("name", ["alexnet", "vgg16"])
+@pytest.mark.parametrize("name", nets("alexnet", "vgg16"))
 def test_relus_merged_into_max_pools(name):
     before = traced(name)
     g = optimized(name)[0].graph
@@ -144,7 +160,7 @@ def pools_after_cat(g: Graph, only_pool_readers: bool) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("name, moved", [("googlenet", 3), ("squeezenet1_1", 2)])
+@pytest.mark.parametrize("name, moved", nets(("googlenet", 3), ("squeezenet1_1", 2)))
 def test_poolings_in_front_of_concats(name, moved):
     before = traced(name)
     assert len(pools_after_cat(before, True)) == moved

@@ -2,7 +2,8 @@
 every generated kernel compiled with ``-fsanitize=address,undefined`` and the sanitizer
 runtime preloaded into a Python subprocess; any report fails the run. A canary
 kernel with a planted out-of-bounds write checks that the sanitizer really is active.
-Marked slow (it recompiles every kernel of those tests)."""
+The fused-op chains run by default; the NaN tests' rerun is marked slow (it recompiles every
+kernel of those tests)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SANITIZE = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all")
-TESTS = ("tests/test_fusion_ops.py", "tests/test_nan_semantics.py")
+# The fused-op chains run by default; the NaN tests' kernels under the sanitizers are
+# marked slow (`-m slow`), so that the two runs together cover both files once.
+TESTS = {
+    "fusion_ops": ("tests/test_fusion_ops.py",),
+    "nan_semantics": ("tests/test_nan_semantics.py",),
+}
 
 PRELUDE = f"""
 import sys
@@ -48,10 +54,7 @@ def _libasan() -> str | None:
 
 
 LIBASAN = _libasan()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(LIBASAN is None, reason="no libasan for the C compiler"),
-]
+pytestmark = pytest.mark.skipif(LIBASAN is None, reason="no libasan for the C compiler")
 
 
 def _run(code: str, timeout: int) -> subprocess.CompletedProcess:
@@ -83,12 +86,16 @@ def test_sanitizer_catches_a_planted_out_of_bounds_write():
     assert "AddressSanitizer" in run.stderr, run.stderr[-2000:]
 
 
-def test_generated_kernels_run_clean_under_the_sanitizers(tmp_path):
+@pytest.mark.parametrize(
+    "which",
+    ["fusion_ops", pytest.param("nan_semantics", marks=pytest.mark.slow)],
+)
+def test_generated_kernels_run_clean_under_the_sanitizers(which, tmp_path):
     base = tmp_path / "pt"
     code = (
         "import pytest\n"
         f"rc = pytest.main(['-q', '-x', '-p', 'no:cacheprovider', '-m', 'not slow', "
-        f"'--basetemp', {str(base)!r}, *{TESTS!r}])\n"
+        f"'--basetemp', {str(base)!r}, *{TESTS[which]!r}])\n"
         # the kernels really were built with the sanitizers: they link its runtime
         f"n = sum(b'libasan' in p.read_bytes() for p in Path({str(base)!r}).rglob('*.so'))\n"
         "print('SANITIZED', n)\n"
