@@ -138,6 +138,13 @@ def _net() -> nn.Module:
     return m.eval()
 
 
+@pytest.fixture(scope="module")
+def net_cache(tmp_path_factory):
+    """One kernel cache for the cases that optimize ``_Net``: the algorithm choice changes
+    no generated source, so its io-group kernels compile once per module, not per case."""
+    return tmp_path_factory.mktemp("algorithms-net")
+
+
 def _run(tmp_path, **opts):
     m = _net()
     torch.manual_seed(1)
@@ -152,8 +159,8 @@ def _conv_rows(opt):
     return [r for r in opt.report().rows if r.op == "conv2d"]
 
 
-def test_default_rows_say_vendor(tmp_path):
-    opt, y, ref = _run(tmp_path)
+def test_default_rows_say_vendor(net_cache):
+    opt, y, ref = _run(net_cache)
     _close(y, ref)
     rows = _conv_rows(opt)
     assert len(rows) == 4 and {r.algorithm for r in rows} == {"vendor"}
@@ -161,8 +168,8 @@ def test_default_rows_say_vendor(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["auto", "nchw"])
-def test_one_name_for_every_layer(tmp_path, layout):
-    opt, y, ref = _run(tmp_path, algorithms={"conv2d": "im2col_gemm"}, layout=layout)
+def test_one_name_for_every_layer(layout, net_cache):
+    opt, y, ref = _run(net_cache, algorithms={"conv2d": "im2col_gemm"}, layout=layout)
     _close(y, ref)
     rows = _conv_rows(opt)
     assert [r.algorithm for r in rows] == ["im2col_gemm"] * 4
@@ -172,9 +179,9 @@ def test_one_name_for_every_layer(tmp_path, layout):
     assert any("extra parameter and workspace memory" in n for n in opt.report().notes)
 
 
-def test_a_list_by_layer_and_default(tmp_path):
+def test_a_list_by_layer_and_default(net_cache):
     sel = ["vendor", "im2col_gemm", "default", "im2col_gemm"]
-    opt, y, ref = _run(tmp_path, algorithms={"conv2d": sel})
+    opt, y, ref = _run(net_cache, algorithms={"conv2d": sel})
     _close(y, ref)
     assert [r.algorithm for r in _conv_rows(opt)] == [
         "vendor",
@@ -184,14 +191,14 @@ def test_a_list_by_layer_and_default(tmp_path):
     ]
 
 
-def test_a_callable_sees_each_layer(tmp_path):
+def test_a_callable_sees_each_layer(net_cache):
     seen = []
 
     def sel(layer: middleware.Layer) -> str:
         seen.append((layer.index, layer.weight_shape, layer.groups, layer.stride))
         return "im2col_gemm" if layer.weight_shape[2:] == (1, 1) else "default"
 
-    opt, y, ref = _run(tmp_path, algorithms={"conv2d": sel})
+    opt, y, ref = _run(net_cache, algorithms={"conv2d": sel})
     _close(y, ref)
     assert [r.algorithm for r in _conv_rows(opt)] == ["vendor", "vendor", "im2col_gemm", "vendor"]
     assert sorted(seen) == [
@@ -202,11 +209,11 @@ def test_a_callable_sees_each_layer(tmp_path):
     ]
 
 
-def test_inapplicable_name_falls_back_with_the_reason(tmp_path):
+def test_inapplicable_name_falls_back_with_the_reason(net_cache):
     """winograd_f4x4 named for every layer: it runs where it applies (c1, although its
     measured rule and winograd=False would not pick it), the default elsewhere, each row
     saying why."""
-    opt, y, ref = _run(tmp_path, algorithms={"conv2d": "winograd_f4x4"}, winograd=False)
+    opt, y, ref = _run(net_cache, algorithms={"conv2d": "winograd_f4x4"}, winograd=False)
     _close(y, ref, tol=1e-4)
     rows = _conv_rows(opt)
     assert [r.algorithm for r in rows] == ["vendor", "winograd_f4x4", "vendor", "vendor"]
@@ -256,8 +263,8 @@ def user_algorithm():
     middleware.unregister_algorithm("conv2d", "my_conv")
 
 
-def test_a_user_algorithm_is_selectable_like_a_built_in(tmp_path, user_algorithm):
-    opt, y, ref = _run(tmp_path, algorithms={"conv2d": "my_conv"})
+def test_a_user_algorithm_is_selectable_like_a_built_in(user_algorithm, net_cache):
+    opt, y, ref = _run(net_cache, algorithms={"conv2d": "my_conv"})
     _close(y, ref)
     rows = _conv_rows(opt)
     assert [r.algorithm for r in rows] == ["my_conv"] * 3 + ["vendor"]
@@ -303,8 +310,8 @@ def test_options_keep_the_selection_hashable_and_sorted():
     )
 
 
-def test_the_memory_cap_keeps_algorithms_out(monkeypatch, tmp_path):
-    opt, y, ref = _run(tmp_path, algorithms={"conv2d": "im2col_gemm"}, max_extra_bytes=0)
+def test_the_memory_cap_keeps_algorithms_out(monkeypatch, tmp_path, net_cache):
+    opt, y, ref = _run(net_cache, algorithms={"conv2d": "im2col_gemm"}, max_extra_bytes=0)
     _close(y, ref)
     rows = _conv_rows(opt)
     assert [r.algorithm for r in rows] == ["vendor"] * 4
@@ -420,15 +427,15 @@ def test_winograd_f2x2_chunks_and_memory(monkeypatch):
     _close(fn(*args), get_op("conv2d").bind(node)(*args), tol=wg2.ERROR_BOUND)
 
 
-def test_winograd_f2x2_by_name_through_optimize(tmp_path):
+def test_winograd_f2x2_by_name_through_optimize(net_cache):
     """Named for every layer: it runs on the one 3x3 stride-1 dense channels_last conv (c1),
     the default elsewhere with the reason; the default never picks it."""
-    opt, y, ref = _run(tmp_path, algorithms={"conv2d": "winograd_f2x2"})
+    opt, y, ref = _run(net_cache, algorithms={"conv2d": "winograd_f2x2"})
     _close(y, ref, tol=1e-4)
     rows = _conv_rows(opt)
     assert [r.algorithm for r in rows] == ["vendor", "winograd_f2x2", "vendor", "vendor"]
     assert rows[1].reason.startswith("winograd F(2x2,3x3), chosen by algorithms=")
     assert rows[1].extra_bytes >= 16 * 4 * 32 * 32
     assert "grouped" in rows[3].reason
-    opt, _, _ = _run(tmp_path)
+    opt, _, _ = _run(net_cache)
     assert "winograd_f2x2" not in {r.algorithm for r in _conv_rows(opt)}

@@ -42,6 +42,13 @@ def _inputs(g, seed: int = 1) -> list[torch.Tensor]:
     return args
 
 
+@pytest.fixture(scope="module")
+def kernel_dir(tmp_path_factory):
+    """One kernel cache for the numerical cases: the transforms depend on the epilogue only
+    (shapes are runtime arguments), so each variant compiles once per module, not per case."""
+    return tmp_path_factory.mktemp("winograd-kernels")
+
+
 def _kernel(g, node, tmp_path, **opts):
     fn = wg.winograd_kernel(g, node, Options(cache_dir=tmp_path, **opts), hardware())
     assert fn is not None, wg.why_not(g, node)
@@ -79,10 +86,10 @@ def _small_tiles_allowed(monkeypatch):
 
 @pytest.mark.parametrize("case", range(len(SHAPES)))
 @pytest.mark.parametrize("bias", [True, False])
-def test_matches_conv(case, bias, tmp_path):
+def test_matches_conv(case, bias, kernel_dir):
     xs, k, pad = SHAPES[case]
     g, node = conv_graph(xs, (k, xs[1], 3, 3), "nhwc", padding=pad, bias=bias)
-    _check(g, node, tmp_path)
+    _check(g, node, kernel_dir)
 
 
 EPILOGUES = [
@@ -98,7 +105,7 @@ EPILOGUES = [
 
 @pytest.mark.parametrize("act", range(len(EPILOGUES)))
 @pytest.mark.parametrize("residual", [False, True])
-def test_epilogues(act, residual, tmp_path):
+def test_epilogues(act, residual, kernel_dir):
     name, attrs = EPILOGUES[act]
     g, node = conv_graph(
         (2, 64, 10, 9),
@@ -109,21 +116,21 @@ def test_epilogues(act, residual, tmp_path):
         activation_attrs=attrs,
         residual=residual,
     )
-    _check(g, node, tmp_path)
+    _check(g, node, kernel_dir)
 
 
-def test_residual_only(tmp_path):
+def test_residual_only(kernel_dir):
     g, node = conv_graph((2, 64, 9, 9), (64, 64, 3, 3), "nhwc", padding=1, residual=True)
-    _check(g, node, tmp_path)
+    _check(g, node, kernel_dir)
 
 
-def test_into_residual_writes_over_it(tmp_path):
+def test_into_residual_writes_over_it(kernel_dir):
     g, node = conv_graph(
         (2, 64, 10, 10), (64, 64, 3, 3), "nhwc", padding=1, activation="relu", residual=True
     )
     args = _inputs(g)
     ref = get_op("conv2d").bind(node)(*args)
-    fn = _kernel(g, node, tmp_path)
+    fn = _kernel(g, node, kernel_dir)
     r = args[-1]
     y = fn.into_residual(*args)
     assert y.data_ptr() == r.data_ptr()
@@ -132,7 +139,7 @@ def test_into_residual_writes_over_it(tmp_path):
 
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("act", ["relu", None])
-def test_nan_and_inf_reach_the_outputs_pytorch_gives(residual, act, tmp_path):
+def test_nan_and_inf_reach_the_outputs_pytorch_gives(residual, act, kernel_dir):
     """A NaN or an infinity in the input would spread over its whole 4x4 tile through the
     transforms; such tiles run the direct convolution, so exactly the outputs PyTorch's
     convolution makes NaN or infinite are, with the same values elsewhere."""
@@ -145,7 +152,7 @@ def test_nan_and_inf_reach_the_outputs_pytorch_gives(residual, act, tmp_path):
     x[1, 17, 0, 9] = float("inf")
     x[1, 3, 12, 0] = float("-inf")
     ref = get_op("conv2d").bind(node)(*args)
-    y = _kernel(g, node, tmp_path)(*args)
+    y = _kernel(g, node, kernel_dir)(*args)
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
     assert int(ref.isnan().sum()) > 0 and int(ref.isinf().sum()) > 0
     finite = ref.isfinite()
@@ -153,13 +160,13 @@ def test_nan_and_inf_reach_the_outputs_pytorch_gives(residual, act, tmp_path):
     assert torch.equal(y[y.isinf()], ref[ref.isinf()])
 
 
-def test_many_chunks_and_a_partial_last_one(monkeypatch, tmp_path):
+def test_many_chunks_and_a_partial_last_one(monkeypatch, kernel_dir):
     # 2 * 4 * 4 = 32 tiles in chunks of 5 (V + M of 5 tiles): 6 full chunks and one of 2
     monkeypatch.setattr(wg, "MIN_CHUNK_TILES", 1)
     monkeypatch.setattr(wg, "WORKSPACE_BYTES", 5 * 36 * 4 * (64 + 64))
     assert wg.chunk_tiles(64, 64, 32) == 5
     g, node = conv_graph((2, 64, 16, 15), (64, 64, 3, 3), "nhwc", padding=1, activation="relu")
-    _check(g, node, tmp_path)
+    _check(g, node, kernel_dir)
 
 
 def test_weight_transform_is_exact_on_one_tile():
