@@ -31,10 +31,24 @@ For ``--per-layer`` (default ``resnet18:16``) the table lists every conv2d layer
 shape, the time autotune measured for each candidate (parsed from the report row's reason,
 "tuned: X best of N: a 0.38 ms, b 0.49 ms") and the pick.
 
+``auto`` (``algorithms={"conv2d": "auto"}``) is timed as an ``optimize()`` on autotune's
+cache directory with the memo cleared: it takes every stored decision (its picks must equal
+autotune's) and times nothing; with no stored decision it is the default.
+
+``--layers``: per 3x3 stride-1 layer shape of resnet18/vgg16 (batch 1 and 16), the time of
+every applicable conv2d algorithm's call (vendor, winograd_f4x4, winograd_f2x2,
+im2col_gemm), median of ``--repeat`` interleaved rounds, with each one's extra bytes.
+
+``--errors``: each algorithm's max error over a set of conv shapes and epilogues, relative
+to the scale before the activation (``max|conv + bias + residual|``), against float32 and
+float64 ``F.conv2d``: the measurement behind the approximate algorithms' error bounds.
+
 Usage::
 
     python bench/algorithms.py --out bench/results/algorithms_cpu.md
     python bench/algorithms.py --nets resnet18 --batch 1 --repeat 3
+    python bench/algorithms.py --layers --repeat 11
+    python bench/algorithms.py --errors
 """
 
 from __future__ import annotations
@@ -55,12 +69,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torchvision.models as tvm
 
 import middleware
-from middleware.backends.vendor import tuning
+from middleware.backends.vendor import ALGORITHMS, tuning
+from middleware.graph import Graph, Node, TensorType
+from middleware.hardware import detect
+from middleware.ops import get_op, infer_types
+from middleware.options import Options
 
 NETWORKS: dict[str, tuple[Callable[[], nn.Module], int]] = {
     "resnet18": (tvm.resnet18, 224),
@@ -85,7 +104,9 @@ class Row:
     picks: dict[str, dict[str, int]]  # engine -> algorithm -> conv2d rows
     extra: dict[str, int]  # engine -> sum of rows' extra_bytes
     opt_s: dict[str, float]  # default_cold, autotune_cold, autotune_reuse
-    reused: tuple[int, int]  # (rows saying "tuned: cached", tuned rows) in the reuse run
+    # (rows saying "tuned: cached", tuned rows) in the reuse run, then "auto"'s rows that
+    # took a stored decision
+    reused: tuple[int, ...]
     layers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
@@ -210,6 +231,13 @@ def measure(net: str, batch: int, args: argparse.Namespace, scratch: Path, per_l
     if picks_of(again) != picks_of(opts["autotune"]):
         print(f"  {net} b{batch}: the reuse run picked differently!", file=sys.stderr)
     del again
+    # "auto" on the tuned cache directory: every stored decision, nothing timed
+    tuning.clear_memo()
+    _, auto, opt_s["auto_reuse"] = timed_optimize(model, x, cache_tune, "auto")
+    if picks_of(auto) != picks_of(opts["autotune"]):
+        print(f"  {net} b{batch}: auto picked differently from autotune!", file=sys.stderr)
+    reused = (*reused, sum(r.reason.startswith("auto: stored") for r in conv_rows(auto)))
+    del auto
     for name in ("vendor", "im2col_gemm"):
         fns[name], opts[name], opt_s[f"{name}_warm"] = timed_optimize(model, x, cache_default, name)
     err = {k: max_rel_err(fn(), ref) for k, fn in fns.items()}
@@ -330,18 +358,21 @@ def markdown(rows: Sequence[Row], meta: str) -> str:
         "again on its cache directory with the in-process memo cleared (decisions read "
         'from `tuning/decisions.json`; cached rows: conv2d rows timing nothing, "tuned: '
         "cached\" or the same problem's decision, / tuned rows); "
+        '`algorithms="auto"` likewise (memo cleared; auto stored rows: conv2d rows taking a '
+        "stored decision, the rest by the default rule); "
         "vendor and im2col_gemm on the default's warm kernel cache.",
         "",
         "| network | batch | default cold | autotune cold | tuning cost | autotune reuse | "
-        "cached rows | vendor warm | im2col warm |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "cached rows | auto reuse | auto stored rows | vendor warm | im2col warm |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         o = r.opt_s
         lines.append(
             f"| {r.net} | {r.batch} | {o['default_cold']:.1f} | {o['autotune_cold']:.1f} | "
             f"{o['autotune_cold'] - o['default_cold']:+.1f} | {o['autotune_reuse']:.1f} | "
-            f"{r.reused[0]}/{r.reused[1]} | {o['vendor_warm']:.1f} | {o['im2col_gemm_warm']:.1f} |"
+            f"{r.reused[0]}/{r.reused[1]} | {o['auto_reuse']:.1f} | {r.reused[2]} | "
+            f"{o['vendor_warm']:.1f} | {o['im2col_gemm_warm']:.1f} |"
         )
     for r in rows:
         if not r.layers:
@@ -374,6 +405,158 @@ def markdown(rows: Sequence[Row], meta: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------ single conv layers
+def conv_case(
+    x_shape: tuple[int, ...],
+    w_shape: tuple[int, ...],
+    padding: int = 1,
+    activation: str | None = "relu",
+    activation_attrs: tuple = (),
+    residual: bool = False,
+    seed: int = 0,
+) -> tuple[Graph, Node]:
+    """A channels_last graph of one conv2d (+ bias [+ residual] [+ activation]) with seeded
+    weights of variance 2 / fan_in."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    g.add_input("x", TensorType(tuple(x_shape), layout="nhwc"))
+    fan_in = w_shape[1] * w_shape[2] * w_shape[3]
+    g.add_param("w", (rng.standard_normal(w_shape) * math.sqrt(2 / fan_in)).astype(np.float32))
+    g.add_param("b", (rng.standard_normal(w_shape[0]) * 0.1).astype(np.float32))
+    ins = ["x", "w", "b"]
+    attrs: dict[str, Any] = dict(stride=1, padding=padding, dilation=1, groups=1)
+    if activation:
+        attrs.update(activation=activation, activation_attrs=tuple(activation_attrs))
+    if residual:
+        probe = Node("c", "conv2d", tuple(ins), ("y",), dict(attrs))
+        g.add_input("r", TensorType(infer_types(g.values, probe)[0].shape, layout="nhwc"))
+        ins.append("r")
+        attrs["residual"] = True
+    node = Node("c", "conv2d", tuple(ins), ("y",), attrs)
+    g.add_node(node, infer_types(g.values, node))
+    g.set_outputs("y")
+    return g, node
+
+
+def case_inputs(g: Graph, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    cl = torch.channels_last
+    args = [torch.randn(g.values["x"].shape, generator=gen).contiguous(memory_format=cl)]
+    args += [torch.from_numpy(g.params["w"]), torch.from_numpy(g.params["b"])]
+    if "r" in g.values:
+        args.append(torch.randn(g.values["r"].shape, generator=gen).contiguous(memory_format=cl))
+    return args
+
+
+# 3x3 stride-1 layers of resnet18 (64..512 channels) and vgg16's first ones, by input size
+LAYER_SHAPES = [
+    (64, 64, 56),
+    (128, 128, 28),
+    (256, 256, 14),
+    (512, 512, 7),
+    (64, 64, 224),
+    (128, 128, 112),
+]
+LAYER_ALGORITHMS = ("vendor", "winograd_f4x4", "winograd_f2x2", "im2col_gemm")
+
+
+def layers_table(args: argparse.Namespace, cache: Path) -> str:
+    """Per layer shape and batch: each algorithm's call time (median ms) and extra bytes."""
+    opts, hw = Options(cache_dir=cache), detect("cpu", None, measure=False)
+    rng = random.Random(0)
+    lines = [
+        "| layer | batch | " + " | ".join(f"{a} ms" for a in LAYER_ALGORITHMS) + " | "
+        "f2x2 / vendor | f2x2 / f4x4 | extra MiB f4x4 / f2x2 |",
+        "|---|---:|" + "---:|" * (len(LAYER_ALGORITHMS) + 3),
+    ]
+    for b in [int(v) for v in str(args.batch).split(",")]:
+        for c, k, hw_px in LAYER_SHAPES:
+            if b > 1 and hw_px > 56 or b == 1 and hw_px > 112:
+                continue  # keep the run short: vgg16's big layers at batch 1 only
+            g, node = conv_case((b, c, hw_px, hw_px), (k, c, 3, 3))
+            x = case_inputs(g)
+            fns, extra = {}, {}
+            for name in LAYER_ALGORITHMS:
+                a = ALGORITHMS["conv2d"][name]
+                if a.applies(g, node, torch.device("cpu"), opts) is not None:
+                    continue
+                fn = a.build(g, node, torch.device("cpu"), opts, hw)
+                if fn is not None:
+                    fns[name] = lambda fn=fn, x=x: fn(*x)
+                    extra[name] = a.extra_bytes(g, node)
+            with torch.inference_mode():
+                ms = interleaved(fns, args.warmup, args.repeat, rng)
+            cells = " | ".join(f"{ms[a]:.2f}" if a in ms else "-" for a in LAYER_ALGORITHMS)
+            lines.append(
+                f"| {c}->{k} @ {hw_px}x{hw_px} | {b} | {cells} | "
+                f"{ms['winograd_f2x2'] / ms['vendor']:.2f} | "
+                f"{ms['winograd_f2x2'] / ms['winograd_f4x4']:.2f} | "
+                f"{extra['winograd_f4x4'] / 2**20:.1f} / {extra['winograd_f2x2'] / 2**20:.1f} |"
+            )
+            print(lines[-1], file=sys.stderr, flush=True)
+    return "\n".join(lines) + "\n"
+
+
+ERROR_SHAPES = [
+    ((1, 16, 9, 7), (32, 16, 3, 3), 1),
+    ((2, 32, 8, 10), (16, 32, 3, 3), 0),
+    ((1, 16, 5, 6), (16, 16, 3, 3), 2),
+    ((1, 256, 6, 7), (256, 256, 3, 3), 1),
+    ((2, 64, 28, 28), (64, 64, 3, 3), 1),
+    ((1, 512, 7, 7), (512, 512, 3, 3), 1),
+]
+ERROR_EPILOGUES: list[dict[str, Any]] = [
+    dict(activation=None),
+    dict(activation="relu"),
+    dict(activation="gelu", activation_attrs=(("approximate", "none"),), residual=True),
+    dict(activation="hardtanh", activation_attrs=(("min_val", -0.5), ("max_val", 0.5))),
+]
+
+
+def errors_table(cache: Path) -> str:
+    """Each algorithm's largest ``max|y - ref| / max|conv + bias + residual|`` over
+    ``ERROR_SHAPES`` x ``ERROR_EPILOGUES``, against float32 and float64 ``F.conv2d``."""
+    opts, hw, cpu = (
+        Options(cache_dir=cache),
+        detect("cpu", None, measure=False),
+        torch.device("cpu"),
+    )
+    names = [n for n in ALGORITHMS["conv2d"] if n != "im2col_gemm"] + ["im2col_gemm"]
+    worst = {(n, p): 0.0 for n in names for p in ("float32", "float64")}
+    for xs, ws, pad in ERROR_SHAPES:
+        for ep in ERROR_EPILOGUES:
+            g, node = conv_case(xs, ws, pad, **ep)
+            pre_kw = {k: v for k, v in ep.items() if not k.startswith("activation")}
+            g_pre, pre_node = conv_case(xs, ws, pad, activation=None, **pre_kw)
+            args = case_inputs(g)
+            for prec, dt in (("float32", torch.float32), ("float64", torch.float64)):
+                a64 = [a.to(dt) for a in args]
+                ref = get_op("conv2d").bind(node)(*a64).float()
+                scale = float(get_op("conv2d").bind(pre_node)(*a64).abs().max())
+                for n in names:
+                    a = ALGORITHMS["conv2d"][n]
+                    if a.applies(g, node, cpu, opts) is not None:
+                        continue
+                    fn = a.build(g, node, cpu, opts, hw)
+                    if fn is None:
+                        continue
+                    with torch.inference_mode():
+                        err = float((fn(*args) - ref).abs().max()) / scale
+                    worst[n, prec] = max(worst[n, prec], err)
+    lines = [
+        f"Largest max|y - ref| / max|conv + bias + residual| over {len(ERROR_SHAPES)} shapes x "
+        f"{len(ERROR_EPILOGUES)} epilogues (16..512 channels, 3x3 stride 1):",
+        "",
+        "| algorithm | recorded bound | vs float32 F.conv2d | vs float64 F.conv2d |",
+        "|---|---:|---:|---:|",
+    ]
+    for n in names:
+        a = ALGORITHMS["conv2d"][n]
+        bound = "exact" if a.exact else f"{a.error_bound:.0e}"
+        lines.append(f"| {n} | {bound} | {worst[n, 'float32']:.1e} | {worst[n, 'float64']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nets", default=",".join(DEFAULT_NETS), help="comma-separated networks")
@@ -384,11 +567,21 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--per-layer", default="resnet18:16", help="net:batch pairs for the per-layer table"
     )
     p.add_argument("--out", type=Path, help="write the markdown table here")
+    p.add_argument("--layers", action="store_true", help="single-layer times per algorithm")
+    p.add_argument("--errors", action="store_true", help="each algorithm's measured error")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
+    if args.layers or args.errors:
+        with tempfile.TemporaryDirectory(prefix="algorithms-") as tmp:
+            text = errors_table(Path(tmp)) if args.errors else layers_table(args, Path(tmp))
+        print(text)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+        return
     nets = [n.strip() for n in args.nets.split(",") if n.strip()]
     unknown = [n for n in nets if n not in NETWORKS]
     if unknown:
