@@ -323,7 +323,8 @@ class StageWriter:
         for h in hoists:
             if h.level < 0:
                 self.write_hoist(h, st.inner, depth, target.extent[self.inner_dim])
-        flat = st.reduction is None and self.flat_rows(st, expr, hoists)
+        self.scalars.update(h.ident for h in hoists if not h.row)
+        flat = self.flat_rows(st, expr, hoists) if st.reduction is None else None
         loops = st.loops[:-1] if flat else st.loops
         for i, lp in enumerate(loops):
             self.open_loops((lp,), depth + i)
@@ -334,7 +335,7 @@ class StageWriter:
         whole_rows = target.shape[self.inner_dim] % LANES == 0
         self.nt_ok = whole_rows
         if flat:
-            self.write_flat(st, expr, d)
+            self.write_flat(st, expr, d, *flat)
         elif st.reduction is None:
             self.simd_loop(
                 d,
@@ -369,25 +370,27 @@ class StageWriter:
         if st.guard is not None:
             self.emit(depth - 1, "}")
 
-    def flat_rows(self, st: Stage, expr: Expr, hoists: list[Hoist]) -> bool:
+    def flat_rows(
+        self, st: Stage, expr: Expr, hoists: list[Hoist]
+    ) -> tuple[VecExpr, list[str]] | None:
         """Whether an elementwise stage can run its last outer loop and the inner loop as
         one flat vector loop: the inner loop covers whole rows of the output, and every
         load advances by a whole row per step of the outer loop (contiguous rows, NCHW's
         h and w), so the flat index is linear in every address. Rows of 56 floats then
         cost 3.5 chunks, not 4, and the output lines are written whole (non-temporal)."""
         if self.vec is None or self.s.simd_floats != LANES or not st.loops:
-            return False
+            return None
         target = self.s.buffer(st.target)
         width = target.shape[self.inner_dim]
         inner, outer = st.inner, st.loops[-1]
         if target.role != "output" or width % LANES == 0:
-            return False
+            return None
         if not (isinstance(inner.lo, Int) and inner.lo.value == 0):
-            return False
+            return None
         if not (isinstance(inner.hi, Int) and inner.hi.value == width - 1):
-            return False
+            return None
         if any(h.level >= len(st.loops) - 1 or h.row for h in hoists):
-            return False
+            return None
         loads = [x for x in leaves(expr) if isinstance(x, Load) and x.value not in self.scalars]
         idx = tuple(Var(x) for x in DIMS)
         checks = [(idx, target)] + [
@@ -396,25 +399,28 @@ class StageWriter:
             if not x.value.startswith(HOIST_PREFIX)
         ]
         if any(isinstance(x, ParamVec) for x in leaves(expr)):
-            return False
+            return None
         try:
             for index, b in checks:
                 si = stride_of(index, inner.var, b.strides, b.extent)
                 so = stride_of(index, outer.var, b.strides, b.extent)
                 if (si, so) not in ((1, width), (0, 0)):
-                    return False
+                    return None
+            v = self.vec(inner.var, f"{inner.var}0_", self.rows, self.scalars)
+            saved, self.nt_ok = self.nt_ok, True
+            try:
+                lines = [self.vstore(st, v, v.expr(expr))]
+            finally:
+                self.nt_ok = saved
         except Unsupported:
-            return False
-        return True
+            return None
+        return v, lines
 
-    def write_flat(self, st: Stage, expr: Expr, d: int) -> None:
+    def write_flat(self, st: Stage, expr: Expr, d: int, v: VecExpr, lines: list[str]) -> None:
         """The flat vector loop of ``flat_rows`` (``#else``: the two loops as they are)."""
         inner, outer = st.inner, st.loops[-1]
         width = self.s.buffer(st.target).shape[self.inner_dim]
         h, w = outer.var, inner.var
-        v = self.vec(w, f"{w}0_", self.rows, self.scalars)
-        self.nt_ok = True
-        lines = [self.vstore(st, v, v.expr(expr))]
         f0 = "f0_"
         self.emit(d, "{")
         self.emit(
