@@ -216,7 +216,7 @@ class _Builder:
         assert red is not None and red.body is not None
         windows = red.windows
         order = ORDER[self.layout]
-        in_value = next(x.value for x, through in stage_loads(d) if through)
+        in_value = d.window_value or next(x.value for x, through in stage_loads(d) if through)
         in_shape = logical4(self.graph.values[in_value])
         out4 = logical4(self.graph.values[d.value])  # the stage's own value
         cons = window_constraints(windows)

@@ -68,6 +68,10 @@ class StageDraft:
     expr: Expr
     red: OpLoops | None = None
     channels: tuple[int, int] | None = None  # a cat slice: (first channel, count)
+    # the value ``red``'s windows index (the reducing node's input): its shape bounds the
+    # windows, whatever producers the body inlines (a broadcast operand's smaller shape
+    # must not: an adaptive pool of ``scale[c] * x`` read only x's first column)
+    window_value: str | None = None
 
 
 def group_io(graph: Graph, names: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -188,6 +192,7 @@ def plan_stages(graph: Graph, names: Sequence[str], out: str) -> list[StageDraft
                     slp,
                     body=compose(slp.body, x.index),  # type: ignore[arg-type]
                 )
+                draft.window_value = src.inputs[0]
                 return expand(compose(slp.expr, x.index), draft, False)
             todo.append(x.value)
             return None
@@ -229,7 +234,16 @@ def plan_stages(graph: Graph, names: Sequence[str], out: str) -> list[StageDraft
                 draft.channels = (first, count)
                 finish(draft)
             continue
-        finish(StageDraft(v, [node.name], lp.expr, lp if lp.kind == "reduce" else None))
+        reduces = lp.kind == "reduce"
+        finish(
+            StageDraft(
+                v,
+                [node.name],
+                lp.expr,
+                lp if reduces else None,
+                window_value=node.inputs[0] if reduces else None,
+            )
+        )
     order = {graph.node(n).outputs[0]: i for i, n in enumerate(names)}
     return sorted(drafts, key=lambda d: (order[d.value], d.channels or (0, 0)))
 
