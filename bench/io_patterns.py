@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import os
 import random
 import statistics
@@ -259,6 +260,8 @@ def bench_case(
     times: dict[str, list[float]] = {k: [] for k in runs}
     order = random.Random(hash((name, layout)) & 0xFFFF)
     clock = time.thread_time if args.one_core else time.perf_counter
+    gc.collect()
+    gc.disable()  # a collection inside a timed call would be charged to that engine
     with torch.inference_mode():
         for r in range(args.warmup + args.rounds):
             keys = list(runs)
@@ -269,6 +272,7 @@ def bench_case(
                 dt = clock() - t0
                 if r >= args.warmup:
                     times[k].append(dt)
+    gc.enable()
     med = {k: statistics.median(v) for k, v in times.items()}
     nbytes = in_bytes + out_bytes
     torch_keys = [k for k in med if k.startswith(("eager", "torch.compile"))]
