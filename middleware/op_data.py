@@ -173,8 +173,9 @@ def _identity(node: Node) -> Kernel:
     return identity
 
 
-# dropout in inference is the identity; kept as its own op so reports name it
-for _name in ("identity", "dropout"):
+# dropout and stochastic depth (torchvision.ops.stochastic_depth) in inference are the
+# identity; kept as ops of their own so reports name them
+for _name in ("identity", "dropout", "stochastic_depth"):
     register(
         OpDef(
             _name,

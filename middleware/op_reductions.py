@@ -1,5 +1,5 @@
 """Registry entries of the window and reduction ops: pooling (max, average, adaptive,
-max-pool with a merged activation), mean, softmax and log_softmax."""
+max-pool with a merged activation), mean, softmax, log_softmax and layer_norm."""
 
 from __future__ import annotations
 
@@ -79,6 +79,36 @@ for _name, _make, _log in (("softmax", _softmax, False), ("log_softmax", _log_so
     register(
         OpDef(_name, Bound.IO, _make, flops_per_elem=5.0, per_sample=True, out=_softmax_out(_log))
     )
+
+
+def _layer_norm(node: Node) -> Kernel:
+    """F.layer_norm over the trailing ``normalized_shape`` dims; the inputs after the value
+    are the weight and then the bias, where the node has them (``affine``: "weight",
+    "bias", "weight_bias" or "")."""
+    shape, eps, affine = node.attrs["normalized_shape"], node.attrs["eps"], node.attrs["affine"]
+
+    def layer_norm(x, *wb):
+        it = iter(wb)
+        w = next(it) if "weight" in affine else None
+        b = next(it) if "bias" in affine else None
+        return F.layer_norm(x, shape, w, b, eps)
+
+    return layer_norm
+
+
+# LayerNorm runs through the framework (ATen's fused kernel; no loop semantics yet): as a
+# graph node, not a fallback, so that its neighbours are optimized around it. Each sample
+# is normalized on its own (normalized_shape never reaches dim 0: checked by the frontend).
+register(
+    OpDef(
+        "layer_norm",
+        Bound.IO,
+        _layer_norm,
+        flops_per_elem=8.0,
+        per_sample=True,
+        weight_inputs=frozenset({1, 2}),
+    )
+)
 
 
 def _max_pool2d(node: Node) -> Kernel:

@@ -580,7 +580,24 @@ CASES: list[Case] = [
         lambda: Fn(lambda m, x: F.dropout(x, 0.2, m.training)),
         [X],
     ),
+    ("stochastic-depth-module", "stochastic_depth", lambda: seq(_stochastic_depth()), [X]),
+    # ---------------------------------------------------------- layer_norm
+    ("layer-norm-module", "layer_norm", lambda: seq(nn.LayerNorm(X[-1])), [X]),
+    ("layer-norm-module-2d", "layer_norm", lambda: seq(nn.LayerNorm(X[-2:])), [X]),
+    (
+        "layer-norm-F",
+        "layer_norm",
+        lambda: Fn(lambda m, x: F.layer_norm(x, (x.shape[-1],), eps=1e-3)),
+        [(3, 7)],
+    ),
+    ("layer-norm-torch", "layer_norm", lambda: Fn(lambda m, x: torch.layer_norm(x, [9])), [X]),
 ]
+
+
+def _stochastic_depth() -> nn.Module:
+    import torchvision
+
+    return torchvision.ops.StochasticDepth(0.3, "row")
 
 
 def _split_then_add(x: torch.Tensor) -> torch.Tensor:

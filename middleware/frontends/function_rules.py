@@ -20,6 +20,7 @@ from .rule_helpers import (
     avg_pool_attrs,
     bind,
     conv_attrs,
+    layer_norm_node,
     max_pool_attrs,
     meta_of,
     norm_dim,
@@ -108,6 +109,35 @@ def _dropout_attrs(low, x, b):
     if b.get("training", False):
         raise Unsupported("dropout with training=True")
     return {}
+
+
+def _r_layer_norm(low, fxn, fn, args, kwargs):
+    b = bind(
+        args,
+        kwargs,
+        [
+            ("input", REQUIRED),
+            ("normalized_shape", REQUIRED),
+            ("weight", None),
+            ("bias", None),
+            ("eps", 1e-5),
+        ],
+        "layer_norm",
+    )
+    x = tensor_arg(b["input"], "layer_norm input")
+    return layer_norm_node(low, x, b["normalized_shape"], b["weight"], b["bias"], b["eps"])
+
+
+def _r_stochastic_depth(low, fxn, fn, args, kwargs):
+    b = bind(
+        args,
+        kwargs,
+        [("input", REQUIRED), ("p", REQUIRED), ("mode", REQUIRED), ("training", True)],
+        "stochastic_depth",
+    )
+    if b["training"] and float(b["p"]) > 0.0:
+        raise Unsupported("stochastic_depth with training=True (random per sample or row)")
+    return "stochastic_depth", [tensor_arg(b["input"], "stochastic_depth input")], {}, False
 
 
 def _r_conv2d(low, fxn, fn, args, kwargs):
@@ -335,6 +365,9 @@ FUNCTION_RULES: dict[Any, Any] = {
     torch.conv2d: _r_conv2d,
     F.linear: _r_linear,
     F.batch_norm: _r_batch_norm,
+    F.layer_norm: _r_layer_norm,
+    torch.layer_norm: _r_layer_norm,
+    "torchvision.ops.stochastic_depth.stochastic_depth": _r_stochastic_depth,
     torch.relu: _f("relu", [_X]),
     torch.relu_: _f("relu", [_X], inplace_name=True),
     F.relu: _f("relu", [_X, _INPLACE]),

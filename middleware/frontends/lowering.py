@@ -30,6 +30,8 @@ class Rules:
     the functions that compute nothing (asserts)."""
 
     modules: Mapping[type, Rule]
+    # by the function object, or by "module.qualname" for a package that need not be
+    # installed (torchvision's)
     functions: Mapping[Any, Rule]
     methods: Mapping[str, Rule]
     noops: Collection[Any] = ()
@@ -232,9 +234,15 @@ class Lowering:
             method.__name__ = name
             return self.rules.methods.get(name), method
         try:
-            return self.rules.functions.get(fxn.target), fxn.target
+            rule = self.rules.functions.get(fxn.target)
         except TypeError:  # unhashable target
             return None, fxn.target
+        if rule is None:  # a function of an optional package, keyed by its dotted name
+            name = getattr(fxn.target, "__qualname__", None)
+            module = getattr(fxn.target, "__module__", None)
+            if isinstance(name, str) and isinstance(module, str):
+                rule = self.rules.functions.get(f"{module}.{name}")
+        return rule, fxn.target
 
 
 def _is_namedtuple_class(t: Any) -> bool:

@@ -14,6 +14,7 @@ from .rule_helpers import (
     adaptive_size,
     avg_pool_attrs,
     conv_attrs,
+    layer_norm_node,
     max_pool_attrs,
     norm_dim,
     rank_of,
@@ -60,6 +61,13 @@ def _m_batch_norm(low, fxn, mod: nn.modules.batchnorm._BatchNorm, args, kwargs):
         low.param(bias, f"{fxn.target}.bias"),
     ]
     return "batch_norm", ins, {"eps": float(mod.eps)}, False
+
+
+def _m_layer_norm(low, fxn, mod: nn.LayerNorm, args, kwargs):
+    x = tensor_arg(args[0], "layer_norm input")
+    w = low.param(mod.weight, f"{fxn.target}.weight") if mod.weight is not None else None
+    b = low.param(mod.bias, f"{fxn.target}.bias") if mod.bias is not None else None
+    return layer_norm_node(low, x, mod.normalized_shape, w, b, mod.eps)
 
 
 def _simple_module(op: str, attrs_of: Callable[[nn.Module], dict[str, Any]] | None = None):
@@ -138,6 +146,7 @@ MODULE_RULES: dict[type, Any] = {
     nn.Linear: _m_linear,
     nn.BatchNorm2d: _m_batch_norm,
     nn.BatchNorm1d: _m_batch_norm,
+    nn.LayerNorm: _m_layer_norm,
     nn.ReLU: _simple_module("relu"),
     nn.ReLU6: _simple_module("hardtanh", lambda m: {"min_val": 0.0, "max_val": 6.0}),
     nn.Hardtanh: _simple_module(

@@ -173,3 +173,21 @@ def adaptive_size(low: LoweringContext, x: V, size: Any) -> tuple[int, int]:
     if len(size) == 1:
         size = (size[0], size[0])
     return (h if size[0] is None else int(size[0]), w if size[1] is None else int(size[1]))
+
+
+def layer_norm_node(low, x, normalized_shape, weight, bias, eps):
+    """The ``layer_norm`` node of F.layer_norm's arguments (the module rule shares it):
+    weight and bias as inputs where given, which of them in ``affine``."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not all(isinstance(d, int) for d in shape):
+        raise Unsupported("layer_norm with a normalized_shape computed at run time")
+    if len(shape) >= rank_of(low, x):
+        raise Unsupported("layer_norm over every dim, the batch included")
+    ins = [x]
+    affine = []
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            ins.append(tensor_arg(t, f"layer_norm {name}"))
+            affine.append(name)
+    attrs = {"normalized_shape": shape, "eps": float(eps), "affine": "_".join(affine)}
+    return "layer_norm", ins, attrs, False
