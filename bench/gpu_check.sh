@@ -20,6 +20,10 @@
 #               max-autotune-no-cudagraphs, as far as the budget reaches), the middleware
 #               step by step and replayed as a CUDA graph; peak allocator bytes per mode.
 #
+# 4b. memory   : (only with MW_GPU_MEMORY=1) bench/gpu_memory.py: the peak GPU memory of
+#               three networks under reduce-overhead and the middleware, each in a process
+#               of its own (the in-process zoo figures are unreliable for torch.compile);
+#
 # Every step has its own timeout (total at most about 8 minutes) and the script never
 # stops at a failed step. Results go to $OUT if set, else bench/results/: summary.txt,
 # tests.log, chain.json, chain.log, zoo.json, zoo.md, zoo.log (at most 8 files).
@@ -96,6 +100,13 @@ step chain 90 "$RES/chain.log" "$PY" bench/gpu_chain.py --out "$RES/chain.json"
 step variants 75 "$RES/chain.log" "$PY" bench/gpu_diag.py --nets ""
 # host time per call of step-by-step plans against their GPU time (bench/gpu_overhead.py)
 step overhead 60 "$RES/chain.log" "$PY" bench/gpu_overhead.py
+
+# 4b. (MW_GPU_MEMORY=1) peak memory, each (network, mode) in a process of its own
+if [ "${MW_GPU_MEMORY:-0}" = 1 ]; then
+  step memory 160 "$RES/memory.log" "$PY" bench/gpu_memory.py --budget-s 150 \
+    --nets alexnet,vgg16,resnet50 --modes compile_ro,mw_graph,mw_default \
+    --out "$RES/memory.json"
+fi
 
 # 5. zoo: what is left of the budget (8 minutes unless MW_GPU_CHECK_S says otherwise)
 LEFT=$((${MW_GPU_CHECK_S:-470} - ($(date +%s) - T0)))
