@@ -137,8 +137,8 @@ class CudaGraphPlan:
         set, with a warning) when the plan cannot be captured."""
         try:
             self.graphed = GraphedPlan(self.plan, [x.detach() for x in inputs])
-            if self.decide:
-                self._choose([x.detach() for x in inputs])
+            if self.decide:  # a tuple: a plan may empty a list it is handed (owned inputs)
+                self._choose(tuple(x.detach() for x in inputs))
             return True
         except Exception as exc:  # noqa: BLE001 - any capture failure: run uncaptured
             self.failed = f"{type(exc).__name__}: {exc}"[:300]
@@ -154,7 +154,7 @@ class CudaGraphPlan:
                 pass
             return False
 
-    def _choose(self, inputs: list[torch.Tensor]) -> None:
+    def _choose(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """Time replay (copies and clones included) against step by step on ``inputs``,
         interleaved, and keep the faster; a replay must win by ``GRAPH_MARGIN`` to be kept
         (it also holds the captured buffers)."""
