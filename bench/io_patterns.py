@@ -49,7 +49,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import middleware
+from middleware.backends.x86 import X86Backend
 from middleware.backends.x86.compile import build_c
+from middleware.hardware import detect
+from middleware.options import Options
 
 STREAM_C = r"""
 #include <stddef.h>
@@ -236,6 +239,9 @@ def bench_case(
     opt(*xs)
     t_opt = time.perf_counter() - t0
     runs["middleware"] = lambda: opt(*xs)
+    kernel_run = _kernel_into_buffer(opt, xs, cache)
+    if kernel_run is not None:
+        runs["kernel"] = kernel_run
     out_bytes = ref.numel() * 4
     in_bytes = sum(x.numel() * 4 for x in xs)
     sink = _aligned(ref.numel())
@@ -249,7 +255,7 @@ def bench_case(
     triad, triad_bytes = native.triad(16 * 1024 * 1024)
     runs["triad"] = triad
     with torch.inference_mode():
-        for k in ("eager nchw", "eager channels_last", "torch.compile", "middleware"):
+        for k in ("eager nchw", "eager channels_last", "torch.compile", "middleware", "kernel"):
             if k not in runs:
                 continue
             got = runs[k]()
@@ -280,7 +286,9 @@ def bench_case(
     stream_t = min(med["stream"], med["stream nt"])
     triad_gbs = triad_bytes / med["triad"] / 1e9
     mw = med["middleware"]
+    kern = med.get("kernel")
     return dict(
+        kernel_pct=100 * stream_t / kern if kern else float("nan"),
         name=name,
         layout=layout,
         mb=nbytes / 1e6,
@@ -297,6 +305,30 @@ def bench_case(
         t_opt=t_opt,
         groups=_groups(opt),
     )
+
+
+def _kernel_into_buffer(
+    opt: object, xs: list[torch.Tensor], cache: Path
+) -> Callable[[], object] | None:
+    """The generated kernel of a one-group plan writing a preallocated output (as the
+    streaming kernel does): ``optimize()`` minus the allocation of a fresh output (and its
+    page faults) and the plan's Python step. None when the plan is not one group."""
+    g = opt.graph  # type: ignore[attr-defined]
+    try:
+        kernel = X86Backend().build(
+            g, [n.name for n in g.nodes()], Options(cache_dir=cache), detect("cpu", cache, True)
+        )
+    except Exception:  # noqa: BLE001 - only informative
+        return None
+    by_name = dict(zip(g.inputs, xs, strict=True))
+    args = [by_name[v] for v in kernel.inputs]
+    out = kernel.fn(*args)
+
+    def run() -> object:
+        kernel.out_fn(*args, out)
+        return out
+
+    return run
 
 
 def _groups(opt: object) -> str:
@@ -350,7 +382,7 @@ def main() -> None:
     head = (
         f"{'pattern':15s} {'layout':6s} {'MB':>6s} {'mw ms':>7s} {'mw GB/s':>8s} "
         f"{'stream GB/s':>11s} {'% stream':>8s} {'triad GB/s':>10s} {'% triad':>7s} "
-        f"{'torch ms':>8s} {'x torch':>7s}  fastest torch"
+        f"{'torch ms':>8s} {'x torch':>7s} {'kernel %':>8s}  fastest torch"
     )
     print(head)
     for r in rows:
@@ -358,9 +390,12 @@ def main() -> None:
             f"{r['name']:15s} {r['layout']:6s} {r['mb']:6.1f} {r['mw_ms']:7.2f} "
             f"{r['mw_gbs']:8.1f} {r['stream_gbs']:10.1f}{'*' if r['stream_nt'] else ' '} "
             f"{r['pct_stream']:7.0f}% {r['triad_gbs']:10.1f} {r['pct_triad']:6.0f}% "
-            f"{r['torch_ms']:8.2f} {r['speedup']:7.2f}  {r['torch_what']}"
+            f"{r['torch_ms']:8.2f} {r['speedup']:7.2f} {r['kernel_pct']:7.0f}%  {r['torch_what']}"
         )
-    print("(* the streaming kernel was faster with non-temporal stores)")
+    print(
+        "(* the streaming kernel was faster with non-temporal stores; kernel %: the generated "
+        "kernel writing a preallocated output, as the streaming kernel does, against it)"
+    )
     worst = min(rows, key=lambda r: r["pct_stream"])
     print(
         f"worst: {worst['name']} {worst['layout']} at {worst['pct_stream']:.0f}% of the "
