@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..errors import UnsupportedError
+from ..errors import TraceError, UnsupportedError
 from ..graph import PARAM_SOURCES, Graph, Node, TensorType
-from ..ops import ValueRef
+from ..ops import ValueRef, get_op
 from .rule_helpers import Unsupported, V
 from .tracer import fetch_attr
 
@@ -60,6 +60,8 @@ class Lowering:
         self.g = Graph()
         self.env: dict[fx.Node, Any] = {}
         self.param_of: dict[int, tuple[str, torch.Tensor]] = {}  # id(tensor) -> (name, tensor)
+        # values an in-place write went through an alias of: reading one raises (why)
+        self.stale: dict[str, str] = {}
 
     # -- values -------------------------------------------------------------
     def param(self, tensor: torch.Tensor, name: str) -> V:
@@ -97,6 +99,7 @@ class Lowering:
             outs = tuple(f"{fxn.name}.{i}" for i in range(len(meta)))
         else:
             raise Unsupported(f"{fxn.name}: produces a non-tensor value")
+        self.check_fresh(inputs)
         node = Node(
             fxn.name, op, tuple(v.name for v in inputs), outs, attrs, source=source or fxn.name
         )
@@ -124,7 +127,15 @@ class Lowering:
                 return slice(template(a.start), template(a.stop), template(a.step))
             return a
 
+        if _writes_in_place(fxn, kwargs) and args and isinstance(args[0], V):
+            # a write the graph cannot follow: its other readers (and the tensors sharing
+            # its memory) would not see it, and a plan may run them in another order
+            raise TraceError(
+                f"{_target_name(fxn)} writes in place into {args[0].name} and is not in the "
+                "op catalogue"
+            )
         targs, tkwargs = template(tuple(args)), template(dict(kwargs))
+        self.check_fresh(inputs)
         meta = fxn.meta.get("mw_value")
         if isinstance(meta, TensorType):
             types, outs = [meta], (fxn.name,)
@@ -170,7 +181,9 @@ class Lowering:
                 else:
                     self.env[fxn] = obj
             elif fxn.op == "output":
-                self.g.set_outputs(_output_tree(self.lower_arg(fxn.args[0])))
+                out = self.lower_arg(fxn.args[0])
+                self.check_fresh(out)
+                self.g.set_outputs(_output_tree(out))
             else:
                 self.lower_call(fxn)
         return self.g
@@ -207,6 +220,7 @@ class Lowering:
                 op, inputs, attrs, inplace = rule(self, fxn, fn, args, kwargs)
                 self.env[fxn] = self.emit(fxn, op, inputs, attrs, _source(fxn))
                 if inplace and isinstance(args[0], V):
+                    self.check_inplace_aliasing(args[0], fxn)
                     self.redirect(args[0], self.env[fxn], fxn)
                 return
             except Unsupported as e:
@@ -214,6 +228,44 @@ class Lowering:
         else:
             reason = f"{_target_name(fxn)} is not in the op catalogue"
         self.env[fxn] = self.emit_fallback(fxn, fn, args, kwargs, reason)
+
+    def check_inplace_aliasing(self, target: V, at: fx.Node) -> None:
+        """An in-place op writes into ``target``: in PyTorch the write also reaches every
+        tensor sharing its memory (the values it is a view of, views taken of them or of
+        it), while in the graph each value is its own. Those aliases are marked: a node
+        (or the output) reading one later raises TraceError, and the model is captured
+        otherwise (TorchDynamo) or runs as the original. Later readers of ``target``
+        itself read the op's result (``redirect``)."""
+        bases = {target.name}
+        todo = [target.name]
+        while todo:  # up: the values target is (transitively) a view of
+            producer = self.g.producer(todo.pop())
+            if producer is not None and _may_alias(producer.op):
+                for v in producer.inputs:
+                    if v not in bases and v in self.g.values and v not in self.g.params:
+                        bases.add(v)
+                        todo.append(v)
+        aliases = set(bases)
+        todo = list(bases)
+        while todo:  # down: every view taken of any of them
+            for consumer in self.g.consumers(todo.pop()):
+                if _may_alias(consumer.op):
+                    for v in consumer.outputs:
+                        if v not in aliases:
+                            aliases.add(v)
+                            todo.append(v)
+        for v in aliases - {target.name}:
+            self.stale[v] = (
+                f"{_target_name(at)} writes in place into {target.name}, which shares memory "
+                f"with {v}; {v} is read afterwards (in-place writes through views are not "
+                "supported)"
+            )
+
+    def check_fresh(self, values: Any) -> None:
+        """Raise TraceError where ``values`` holds a value an in-place write has made stale."""
+        for v in _values_in(values):
+            if v.name in self.stale:
+                raise TraceError(self.stale[v.name])
 
     def redirect(self, old: V, new: Any, at: fx.Node) -> None:
         """An in-place op mutated ``old``: later readers of ``old`` read ``new`` instead."""
@@ -243,6 +295,43 @@ class Lowering:
             if isinstance(name, str) and isinstance(module, str):
                 rule = self.rules.functions.get(f"{module}.{name}")
         return rule, fxn.target
+
+
+def _values_in(tree: Any) -> list[V]:
+    if isinstance(tree, V):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [v for x in tree for v in _values_in(x)]
+    if isinstance(tree, dict):
+        return [v for x in tree.values() for v in _values_in(x)]
+    return []
+
+
+def _writes_in_place(fxn: fx.Node, kwargs: Mapping[str, Any]) -> bool:
+    """A call that mutates its first argument: ``inplace=True``, or a name with PyTorch's
+    trailing underscore (``zero_``, ``masked_fill_``; not dunders)."""
+    if kwargs.get("inplace") is True:
+        return True
+    if fxn.op == "call_module":
+        return False
+    name = fxn.target if fxn.op == "call_method" else getattr(fxn.target, "__name__", "")
+    if not isinstance(name, str):
+        return False
+    if name.startswith("__i") and name.endswith("__"):  # x.__iadd__(y), operator.imul, ...
+        return name[3:-2] in _INPLACE_OPERATORS
+    return name.endswith("_") and not name.endswith("__")
+
+
+_INPLACE_OPERATORS = frozenset(
+    "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift".split()
+)
+
+
+def _may_alias(op: str) -> bool:
+    """Whether ``op``'s result may share memory with its input in PyTorch (a view, a
+    fallback call of unknown semantics, a split's pieces)."""
+    d = get_op(op)
+    return op in ("fallback", "split") or d.view_like or d.strided_view
 
 
 def _is_namedtuple_class(t: Any) -> bool:
