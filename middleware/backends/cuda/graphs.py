@@ -128,7 +128,10 @@ class CudaGraphPlan:
         try:
             if self.graphed is None and not self.capture(inputs):
                 return self.plan.run(inputs)
-            return self.graphed.run(inputs)
+            graphed = self.graphed
+            if graphed is None:  # captured and timed, and step by step measured faster
+                return self.plan.run(inputs)
+            return graphed.run(inputs)
         finally:
             self._busy.release()
 
