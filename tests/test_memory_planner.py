@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from net_helpers import nondegenerate
 
 import middleware
 from middleware.graph import Graph, Node, TensorType
@@ -403,7 +404,9 @@ def test_networks_match_pytorch_with_planning(name: str) -> None:
         if name in ("googlenet", "inception_v3")
         else {}
     )
-    m = tvm.get_model(name, weights=None, **kw).eval()
+    # variance-keeping weights: torchvision's init leaves some outputs near 1e-9, where an
+    # absolute tolerance passes anything (net_helpers)
+    m = nondegenerate(tvm.get_model(name, weights=None, **kw))
     size = 299 if name == "inception_v3" else 224
     x = torch.randn(1, 3, size, size)
     om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, plan_memory=True)
