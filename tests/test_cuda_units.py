@@ -300,7 +300,7 @@ def test_cuda_graphs_auto_keeps_the_faster_way(monkeypatch, graph_ms, steps_ms, 
     assert f"{graph_ms:.3f} ms" in note and f"{steps_ms:.3f} ms" in note
     assert note.startswith("the plan replays" if chosen == "graph" else "the plan runs step")
     lazy = graphs.CudaGraphPlan(FakePlan(), decide=True)  # captured on its first call
-    assert lazy.run([2])[0] == ("replayed" if chosen == "graph" else "stepped")
+    assert lazy.run([torch.ones(1)])[0] == ("replayed" if chosen == "graph" else "stepped")
     assert lazy.chosen == chosen
     always = graphs.CudaGraphPlan(FakePlan(), decide=False)  # cuda_graphs=True: no timing
     assert always.capture([torch.zeros(1)]) and always.chosen is None
