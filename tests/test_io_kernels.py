@@ -175,3 +175,17 @@ def test_se_gate_sigmoid_is_hoisted(tmp_path) -> None:  # noqa: ANN001
     calls = [ln for ln in body.splitlines() if "mw_sigmoid(" in ln and "static" not in ln]
     assert len(calls) == 1 and "hoist" in calls[0], calls
     assert_matches(opt(*xs), SEGate()(*xs), "se gate")
+
+
+def test_vector_stride_refuses_an_index_only_sampled_as_affine():
+    """A channel shuffle's index ``(c mod G) * 2 + c // G`` matches stride 2 at sampled
+    points away from c = G; the AVX-512 path must not take it as affine (a 16-lane block
+    crossing c = G would read the wrong channels)."""
+    from middleware.backends.x86.vec512 import Unsupported, stride_of
+    from middleware.index_expr import Int, Var, op
+
+    c = Var("c")
+    shuffle = op("add", op("mul", op("mod", c, Int(100)), Int(2)), op("floordiv", c, Int(100)))
+    with pytest.raises(Unsupported):
+        stride_of([shuffle], "c", [1], [200])
+    assert stride_of([op("add", op("mul", c, Int(3)), Int(1))], "c", [1], [200]) == 3

@@ -78,6 +78,9 @@ def stride_of(index: Sequence[Ix], var: str, strides: Sequence[int], extent: Seq
             names |= variables(ix)
     if var not in names:
         return 0
+    for d, ix in enumerate(index):
+        if extent[d] > 1 and not _affine_in(ix, var):
+            raise Unsupported(f"index {ix} is not affine in {var}")
     rng = random.Random(0)
     coef = None
     for _ in range(4):
@@ -97,6 +100,24 @@ def stride_of(index: Sequence[Ix], var: str, strides: Sequence[int], extent: Seq
             raise Unsupported(f"stride of {var} varies")
     assert coef is not None
     return int(coef)
+
+
+def _affine_in(ix: Ix, var: str) -> bool:
+    """Structurally affine in ``var``: sums, differences, negations and products with one
+    ``var``-free factor of affine terms. (A channel shuffle's ``(c mod G) * K + c // G``
+    agrees with a stride at many sample points but not across a block of 16 lanes.)"""
+    if var not in variables(ix):
+        return True
+    if isinstance(ix, Var):
+        return True
+    if not isinstance(ix, Op):
+        return False
+    if ix.op in ("add", "sub", "neg"):
+        return all(_affine_in(a, var) for a in ix.args)
+    if ix.op == "mul":
+        with_var = [a for a in ix.args if var in variables(a)]
+        return len(with_var) == 1 and _affine_in(with_var[0], var)
+    return False  # floordiv, mod, min, max, select, ...
 
 
 def at(ix: Ix, var: str, start: str) -> Ix:
