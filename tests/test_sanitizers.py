@@ -20,6 +20,8 @@ SANITIZE = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-san
 # The fused-op chains run by default; the NaN tests' kernels under the sanitizers are
 # marked slow (`-m slow`), so that the two runs together cover both files once.
 TESTS = {
+    # the fused-op chains in channels_last (every op kind); the whole file is the slow run
+    "fusion_chains": ("tests/test_fusion_ops.py", "-k", "test_chain_matches_pytorch and nhwc"),
     "fusion_ops": ("tests/test_fusion_ops.py",),
     "nan_semantics": ("tests/test_nan_semantics.py",),
 }
@@ -88,7 +90,11 @@ def test_sanitizer_catches_a_planted_out_of_bounds_write():
 
 @pytest.mark.parametrize(
     "which",
-    ["fusion_ops", pytest.param("nan_semantics", marks=pytest.mark.slow)],
+    [
+        "fusion_chains",
+        pytest.param("fusion_ops", marks=pytest.mark.slow),
+        pytest.param("nan_semantics", marks=pytest.mark.slow),
+    ],
 )
 def test_generated_kernels_run_clean_under_the_sanitizers(which, tmp_path):
     base = tmp_path / "pt"

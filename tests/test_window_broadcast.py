@@ -49,8 +49,19 @@ def _case(producer: str, pool: str, seed: int) -> tuple[nn.Module, torch.Tensor]
     return model, torch.randn(2, c, h, w, generator=g)
 
 
+# two producers by default (the broadcast operand first, and a function of it); every
+# producer with -m slow
+_DEFAULT_PRODUCERS = ("s*x+x", "sigmoid(s)*x")
+
+
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-@pytest.mark.parametrize("producer", sorted(PRODUCERS))
+@pytest.mark.parametrize(
+    "producer",
+    [
+        p if p in _DEFAULT_PRODUCERS else pytest.param(p, marks=pytest.mark.slow)
+        for p in sorted(PRODUCERS)
+    ],
+)
 @pytest.mark.parametrize("pool", sorted(POOLS))
 def test_generated_cpu(pool, producer, layout):
     model, x = _case(producer, pool, len(pool) + len(producer))
