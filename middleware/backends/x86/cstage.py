@@ -481,29 +481,11 @@ class StageWriter:
             except Unsupported:
                 lines = None
         if lines is not None:
-            lo_, hi_, v0 = f"lo_{var}_", f"hi_{var}_", f"{var}0_"
+            lo_, hi_ = f"lo_{var}_", f"hi_{var}_"
             self.emit(d, "{")
             self.emit(d + 1, f"const int {lo_} = {lo}, {hi_} = {hi};")
             self.emit(0, "#ifdef __AVX512F__")
-            # chunks start on the target's 64-byte boundaries when it is stored
-            # non-temporally (the first chunk's leading lanes masked off)
-            skew = f"(({v.nt_offset_at(lo_)}) & {LANES - 1})" if v.nt_target else "0"
-            self.emit(
-                d + 1,
-                f"for (int {v0} = {lo_} - {skew}; {v0} <= {hi_}; {v0} += {LANES}) {{",
-            )
-            self.emit(
-                d + 2,
-                f"const int s_ = {lo_} > {v0} ? {lo_} - {v0} : 0, "
-                f"e_ = {hi_} - {v0} < {LANES - 1} ? {hi_} - {v0} : {LANES - 1};",
-            )
-            self.emit(d + 2, "const __mmask16 mk = mw_range(s_, e_);")
-            if v.stride2:
-                self.emit(
-                    d + 2,
-                    "const __mmask16 mk2a = mw_range(2 * s_, 2 * e_), "
-                    "mk2b = mw_range(2 * s_ - 16, 2 * e_ - 16);",
-                )
+            self.chunk_loop(d + 1, v, lo_, hi_)
             for line in lines:
                 self.emit(d + 2, line)
             self.emit(d + 1, "}")
@@ -524,6 +506,8 @@ class StageWriter:
         lane ``<var>0_``, live lanes ``s_..e_``, masks ``mk`` and, for stride-2 loads,
         ``mk2a``/``mk2b``); the caller closes it."""
         v0 = v.start
+        # chunks start on the target's 64-byte boundaries when it is stored
+        # non-temporally (the first chunk's leading lanes masked off)
         skew = f"(({v.nt_offset_at(lo_)}) & {LANES - 1})" if v.nt_target else "0"
         self.emit(d, f"for (int {v0} = {lo_} - {skew}; {v0} <= {hi_}; {v0} += {LANES}) {{")
         self.emit(
