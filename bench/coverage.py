@@ -1,0 +1,340 @@
+"""Coverage: every torchvision classification and segmentation model through ``optimize()``.
+
+For each model (``torchvision.models.list_models(module=torchvision.models)`` and the six of
+``torchvision.models.segmentation``), in a process of its own (a crash, a memory blow-up or
+a hang costs that model only):
+
+- the model is built without pretrained weights and every parameter is re-initialised so
+  that activations keep their variance (``variance_keeping``: zero-initialised heads and
+  layer scales included), batch-norm statistics random and close to the identity;
+- ``optimize(model, example_inputs=(x,))`` at batch 1 and 224x224 (or the weights'
+  ``min_size`` where larger; the segmentation models take 224 too);
+- the output (every tensor of a tuple or dict) against eager: max |y - ref| / max |ref|;
+- ``report().rows``: the number of nodes, of fallback nodes, and the fallbacks' ops and
+  reasons (most frequent first).
+
+Results go to ``bench/results/coverage_cpu.json`` (``--out``) (one entry per model, merged with the
+entries already there, so a run over a few models updates their rows) and the table to
+``bench/results/coverage_cpu.md``.
+
+Usage::
+
+    python bench/coverage.py --models vit_b_16,swin_t     # a few
+    python bench/coverage.py --all                        # every model (long: hours on 2 cores)
+    python bench/coverage.py --all --skip-done            # the ones without a row yet
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+JSON_PATH = RESULTS / "coverage_cpu.json"
+
+# Output equal to eager within this fraction of the output's scale (max |ref|).
+TOLERANCE = 1e-3
+
+# Too large for this 2-core host's memory or time budget (parameters in millions, from
+# torchvision's weight metadata): fp32 weights alone take 4 bytes each, and the eager
+# reference, the optimized copy and the reinitialisation hold them several times over.
+MAX_PARAMS_M = 350.0
+
+SEGMENTATION = (
+    "fcn_resnet50",
+    "fcn_resnet101",
+    "deeplabv3_resnet50",
+    "deeplabv3_resnet101",
+    "deeplabv3_mobilenet_v3_large",
+    "lraspp_mobilenet_v3_large",
+)
+
+
+def classification_models() -> list[str]:
+    import torchvision
+
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def all_models() -> list[str]:
+    return classification_models() + list(SEGMENTATION)
+
+
+def weights_meta(name: str) -> dict[str, Any]:
+    import torchvision
+
+    try:
+        return dict(torchvision.models.get_model_weights(name).DEFAULT.meta)
+    except Exception:  # noqa: BLE001 - a model without registered weights
+        return {}
+
+
+def input_size(name: str) -> int:
+    """224, or the weights' minimum where it is larger."""
+    meta = weights_meta(name)
+    low = meta.get("min_size", (224, 224))
+    return max(224, int(low[0]))
+
+
+def skip_reason(name: str) -> str | None:
+    params = weights_meta(name).get("num_params")
+    if params is not None and params / 1e6 > MAX_PARAMS_M:
+        return f"{params / 1e6:.0f}M parameters (over {MAX_PARAMS_M:.0f}M on this host)"
+    return None
+
+
+def build(name: str) -> nn.Module:
+    import torchvision
+
+    if name in SEGMENTATION:
+        aux = not name.startswith("lraspp")
+        fn = getattr(torchvision.models.segmentation, name)
+        return fn(weights=None, weights_backbone=None, aux_loss=aux or None)
+    return torchvision.models.get_model(name, weights=None)
+
+
+def variance_keeping(model: nn.Module, seed: int = 0) -> nn.Module:
+    """``model`` (in place, returned in eval mode) with every parameter re-initialised so
+    that activations keep their variance: convolutions He (fan-in, 2/n: ReLU-like nets with
+    batch norms in eval do not renormalise), linear layers and attention projections 1/n,
+    norms' affine parameters near (1, 0), layer scales near 1, every other parameter (class
+    tokens, position embeddings, relative-position tables) N(0, 0.1^2), batch-norm running
+    statistics random near the identity."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=gen)
+
+    with torch.no_grad():
+        for mod in model.modules():
+            for pname, p in mod.named_parameters(recurse=False):
+                if p is None:
+                    continue
+                fan_in = p[0].numel() if p.dim() >= 2 else 1
+                if isinstance(mod, nn.modules.conv._ConvNd) and pname == "weight":
+                    # a depthwise or grouped conv: fan-in is its group's input channels
+                    p.copy_(randn(p.shape) * math.sqrt(2.0 / fan_in))
+                elif (isinstance(mod, nn.Linear) and pname == "weight") or pname.endswith(
+                    "proj_weight"
+                ):
+                    p.copy_(randn(p.shape) * math.sqrt(1.0 / fan_in))
+                elif "scale" in pname or (pname == "weight" and p.dim() == 1):
+                    p.copy_(1.0 + 0.1 * randn(p.shape))
+                else:
+                    p.copy_(0.1 * randn(p.shape))
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.running_mean is not None:
+                c = mod.num_features
+                mod.running_mean.copy_(0.1 * randn(torch.Size([c])))
+                mod.running_var.copy_(torch.rand(c, generator=gen) * 0.5 + 0.75)
+    return model.eval()
+
+
+def tensors_of(out: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a model output (a tensor, a tuple/list, a dict), with their keys."""
+    if isinstance(out, torch.Tensor):
+        return [("", out)]
+    if isinstance(out, dict):
+        return [(f"{k}{'.' + s if s else ''}", t) for k, v in out.items() for s, t in tensors_of(v)]
+    if isinstance(out, (tuple, list)):
+        return [
+            (f"{i}{'.' + s if s else ''}", t) for i, v in enumerate(out) for s, t in tensors_of(v)
+        ]
+    return []
+
+
+def max_rel_err(got: Any, ref: Any) -> float:
+    """Over every output tensor: max |got - ref| / max |ref|; inf where the structures or
+    shapes differ."""
+    g, r = dict(tensors_of(got)), dict(tensors_of(ref))
+    if g.keys() != r.keys() or not r:
+        return math.inf
+    worst = 0.0
+    for k, ref_t in r.items():
+        if g[k].shape != ref_t.shape:
+            return math.inf
+        scale = max(1e-30, float(ref_t.abs().max()))
+        worst = max(worst, float((g[k].float() - ref_t.float()).abs().max()) / scale)
+    return worst
+
+
+def measure(name: str) -> dict[str, Any]:
+    """One model: build, optimize, compare, count (runs in the child process)."""
+    import middleware
+    from middleware.enums import RunsAs
+
+    torch.manual_seed(0)
+    size = input_size(name)
+    row: dict[str, Any] = {"model": name, "input": f"1x3x{size}x{size}"}
+    model = variance_keeping(build(name))
+    x = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = model(x)
+    t0 = time.perf_counter()
+    opt = middleware.optimize(model, example_inputs=(x,))
+    row["optimize_s"] = round(time.perf_counter() - t0, 1)
+    with torch.inference_mode():
+        got = opt(x)
+    row["max_rel_err"] = max_rel_err(got, ref)
+    row["scale"] = max((float(t.abs().max()) for _, t in tensors_of(ref)), default=0.0)
+    rep = opt.report()
+    rows = list(rep.rows)
+    fb = [r for r in rows if r.runs_as == RunsAs.FALLBACK]
+    row["nodes"] = len(rows)
+    row["fallbacks"] = len(fb)
+    reasons = collections.Counter(reason_key(model, r.reason) for r in fb)
+    row["reasons"] = reasons.most_common()
+    row["notes"] = list(getattr(rep, "notes", ()))[:3]
+    return row
+
+
+def reason_key(model: nn.Module, reason: str) -> str:
+    """A fallback's reason with module paths replaced by the module's class, so that the
+    twelve attention layers of a ViT count as one reason."""
+
+    def kind(m: re.Match[str]) -> str:
+        try:
+            return f"module {type(model.get_submodule(m.group(1))).__name__}"
+        except AttributeError:
+            return m.group(0)
+
+    return re.sub(r"module '([^']+)'", kind, reason)[:160]
+
+
+def run_child(name: str, timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name]
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"model": name, "error": f"timed out after {timeout:.0f} s"}
+    wall = round(time.perf_counter() - t0, 1)
+    for line in reversed(out.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            got = json.loads(line)
+            got["wall_s"] = wall
+            return got
+    tail = (out.stderr or out.stdout).strip().splitlines()
+    return {"model": name, "error": (tail[-1] if tail else f"exit {out.returncode}")[:300]}
+
+
+def load(path: Path) -> dict[str, dict[str, Any]]:
+    if path.exists():
+        return {r["model"]: r for r in json.loads(path.read_text())}
+    return {}
+
+
+def save(rows: dict[str, dict[str, Any]], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ordered = [rows[k] for k in sorted(rows, key=order_key)]
+    path.write_text(json.dumps(ordered, indent=1) + "\n")
+    path.with_suffix(".md").write_text(markdown(ordered))
+
+
+def order_key(name: str) -> tuple[int, str]:
+    return (name in SEGMENTATION, name)
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "# Coverage on CPU: torchvision models through optimize()",
+        "",
+        f"Batch 1, variance-keeping random weights, output equal when max |y - ref| / "
+        f"max |ref| < {TOLERANCE:g} over every output tensor. Fallbacks: nodes of "
+        "`report().rows` that run as one PyTorch call each. Written by "
+        "`python bench/coverage.py`; each row from its model's latest run.",
+        "",
+        "| model | input | nodes | fallbacks | % fallback | top reasons | output ok (rel. err) |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['model']} | - | - | - | - | skipped: {r['skipped']} | - |")
+            continue
+        if "error" in r:
+            err = r["error"].replace("|", "\\|")
+            lines.append(f"| {r['model']} | - | - | - | - | error: {err} | no |")
+            continue
+        n, f = r["nodes"], r["fallbacks"]
+        pct = 100.0 * f / n if n else 0.0
+        top = "; ".join(f"{c}x {why}" for why, c in r["reasons"][:3]).replace("|", "\\|")
+        ok = "yes" if r["max_rel_err"] < TOLERANCE else "**no**"
+        lines.append(
+            f"| {r['model']} | {r['input']} | {n} | {f} | {pct:.0f}% | {top or '-'} | "
+            f"{ok} ({r['max_rel_err']:.1e}) |"
+        )
+    done = [r for r in rows if "nodes" in r]
+    if done:
+        zero = sum(1 for r in done if r["fallbacks"] == 0)
+        ok = sum(1 for r in done if r["max_rel_err"] < TOLERANCE)
+        lines += [
+            "",
+            f"{len(done)} models measured: {zero} with no fallback node, {ok} equal to eager; "
+            f"{sum(1 for r in rows if 'skipped' in r)} skipped, "
+            f"{sum(1 for r in rows if 'error' in r)} failed.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="", help="comma-separated model names")
+    p.add_argument("--all", action="store_true", help="every classification and segmentation model")
+    p.add_argument("--skip-done", action="store_true", help="only models without a row yet")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per model")
+    p.add_argument(
+        "--out", type=Path, default=JSON_PATH, help="results JSON (the table beside it, .md)"
+    )
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse(argv)
+    if args.child:
+        sys.path.insert(0, str(ROOT))
+        print(json.dumps(measure(args.child)))
+        return
+    if args.all:
+        names = all_models()
+    elif args.models:
+        names = [n.strip() for n in args.models.split(",") if n.strip()]
+    else:
+        raise SystemExit("name --models a,b,... or --all")
+    known = set(all_models())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown models: {', '.join(unknown)}")
+    rows = load(args.out)
+    for name in names:
+        if args.skip_done and name in rows and "error" not in rows[name]:
+            continue
+        why = skip_reason(name)
+        row = {"model": name, "skipped": why} if why else run_child(name, args.timeout)
+        rows[name] = row
+        save(rows, args.out)
+        brief = (
+            row.get("skipped")
+            or row.get("error")
+            or (
+                f"{row['fallbacks']}/{row['nodes']} fallback, err {row['max_rel_err']:.1e}, "
+                f"{row.get('wall_s')} s"
+            )
+        )
+        print(f"{name}: {brief}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
