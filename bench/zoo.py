@@ -1,41 +1,57 @@
-"""The network table: eleven torchvision CNNs, PyTorch's three fastest ways against the
-middleware, timed interleaved in one process, plus compile times cold and warm.
+"""The network table: eleven torchvision CNNs, every engine a CPU user would pick against
+the middleware, timed in one process, with each network's roofline and compile times.
 
-For every network and batch size, four modes run the same input:
+For every network and batch size these engines run the same seeded input (fp32, random
+seeded weights, ``torch.get_num_threads()`` threads everywhere):
 
 - ``eager``: the model in ``torch.inference_mode()``, NCHW;
 - ``eager_cl``: the same with the model and the input in channels_last;
-- ``compile``: ``torch.compile(model)`` (default mode, ``dynamic=False``), NCHW input;
+- ``compile_freeze``: ``torch.compile(model, dynamic=False)`` with
+  ``torch._inductor.config.freezing = True`` (Inductor's CPU inference setting: folded
+  constants, prepacked oneDNN weights, fused post-ops), model and input in channels_last;
+- ``ort``: ONNX Runtime, ``CPUExecutionProvider``, ``ORT_ENABLE_ALL``,
+  ``intra_op_num_threads`` = the thread count, on the model exported with
+  ``torch.onnx.export(..., opset_version=17, dynamo=False)``;
+- ``openvino``: OpenVINO on the same ONNX file, device CPU, ``INFERENCE_NUM_THREADS`` =
+  the thread count, ``INFERENCE_PRECISION_HINT=f32``, ``PERFORMANCE_HINT=LATENCY``;
 - ``middleware``: ``middleware.optimize(model, example_inputs=(x,))``, NCHW input.
 
-Latency is the median of ``--repeat`` rounds after ``--warmup`` rounds; a round calls each
-mode once, in turn, so that the host's drift hits every mode alike. Speedup is the
-fastest of the three PyTorch modes over the middleware (> 1: the middleware is faster).
+The peers are optional (``pip install -e '.[bench]'``): an engine whose package is missing
+is skipped with a printed note, as is one whose export or compile fails.
 
-Compile time is the wall time from wrapping the model to the end of its first call (so it
-includes one run for both); the last column is the middleware's ``optimize()`` alone
-(trace, passes, kernels and plan, which it does before any call). Cold: ``torch.compile`` with a fresh ``TORCHINDUCTOR_CACHE_DIR``
-and ``optimize()`` with a fresh ``cache_dir``. Warm: the same cache folders, measured in a
-new Python process (``--warm-child``), so that no in-memory cache helps.
+Timing. Each round runs every engine in a new order drawn from a seeded generator; an
+engine runs a block of ``--block`` + 1 calls and the block's first call is discarded (ONNX
+Runtime's and OpenVINO's thread pools spin after a run and slow whoever runs next; timing
+engines call by call in alternation made the middleware look up to 1.5x better at batch 1
+than it is). Garbage collection is off inside a block. Latency is the median of all the
+timed calls (``--repeat`` rounds x block calls). Every engine's output is checked against
+eager's (max abs difference over the reference's max magnitude; above ``--tol`` the
+engine is flagged ``!`` in the table and a warning is printed).
 
-Peak memory is not measured here (a per-mode peak on CPU needs one process per mode); the
-profiler (``middleware.profile``) reports it.
+Ratio: the fastest engine other than the middleware over the middleware (> 1: the
+middleware is faster). Roofline: the FLOPs of the algorithms the middleware actually runs
+(a Winograd layer counts its own multiplications: 36 per 4x4 tile and channel pair for
+F(4x4,3x3), 16 per 2x2 tile for F(2x2,3x3), not the direct convolution's 144 and 36)
+at the GEMM peak measured at the start of the run, plus the compulsory bytes (the plan's
+weights after folding, the input and the output) at the measured triad bandwidth
+(``middleware.hardware.measure_cpu``); "x roofline" is the middleware's time over it.
+
+Compile times: the wall time from wrapping the model to the end of its first call; the
+middleware's ``optimize()`` alone too; the ONNX export; each peer's session build or
+compile. Cold: ``torch.compile`` with a fresh ``TORCHINDUCTOR_CACHE_DIR`` and
+``optimize()`` with a fresh ``cache_dir``. Warm (unless ``--no-warm``): the same cache
+folders in a new Python process (``--warm-child``), so no in-memory cache helps.
+
+Peak memory is not measured here (a per-engine peak needs one process per engine; see
+``bench/memory.py``).
 
 Usage::
 
-    python bench/zoo.py                                 # all eleven, batch 1 and 16
-    python bench/zoo.py --nets resnet18,squeezenet1_1 --batch 16 --repeat 3 --no-compile
-    python bench/zoo.py --out results.md
+    python bench/zoo.py                                   # all eleven, batch 1 and 16
+    python bench/zoo.py --nets mobilenet_v3_small,resnet18 --batch 1,16 --no-warm
+    python bench/zoo.py --engines eager_cl,ort,middleware --out results.md
 
-Duration on the 2-core host (quiet machine estimate from the per-network figures in
-shared/MEASURED.md): the timed rounds take about 6 minutes for all eleven networks at both
-batch sizes with ``--repeat 5``; cold ``torch.compile`` adds 30-120 s per network and batch
-(about 20 minutes), its warm compile 2-13 s, the middleware's optimize a few seconds each:
-the full table fits in about 35-40 minutes; ``--no-compile`` takes about 10.
-Measured so far only on a host shared with five other jobs (load 7-9 on 2 cores, every
-latency 5-50x its quiet value): squeezenet1_1 and mobilenet_v3_small at batch 1 with
-``--repeat 3 --warmup 1``, compile included, took 380 s (cold torch.compile 137 s and
-98 s of it); squeezenet1_1 and resnet18 at batch 1 and 16 with ``--no-compile`` 182 s.
+Duration on the 2-core host: see README ("Benchmarks") for the measured figure of a run.
 """
 
 from __future__ import annotations
@@ -44,14 +60,19 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import gc
+import importlib.util
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -73,8 +94,18 @@ NETWORKS: dict[str, tuple[Callable[[], nn.Module], int]] = {
     "inception_v3": (lambda: tvm.inception_v3(aux_logits=False, init_weights=False), 299),
     "shufflenet_v2_x1_0": (tvm.shufflenet_v2_x1_0, 224),
 }
-MODES = ("eager", "eager_cl", "compile", "middleware")
-TORCH_MODES = ("eager", "eager_cl", "compile")
+ENGINES = ("eager", "eager_cl", "compile_freeze", "ort", "openvino", "middleware")
+LABELS = {
+    "eager": "eager",
+    "eager_cl": "eager channels_last",
+    "compile_freeze": "torch.compile freezing",
+    "ort": "ONNX Runtime",
+    "openvino": "OpenVINO",
+    "middleware": "middleware",
+}
+# the Python package each peer needs (checked before anything is built)
+NEEDS = {"ort": ("onnx", "onnxruntime"), "openvino": ("onnx", "openvino")}
+OPSET = 17
 
 
 @dataclasses.dataclass
@@ -83,18 +114,26 @@ class Row:
 
     net: str
     batch: int
-    ms: dict[str, float]  # median latency per mode
-    max_err: float  # middleware vs eager, relative to the output's scale
-    compile_s: dict[str, float]  # compile_cold|warm, mw_cold|warm (+ _opt: optimize() alone)
+    ms: dict[str, float]  # median latency per engine
+    err: dict[str, float]  # each engine against eager, relative to the output's scale
+    compile_s: dict[str, float]  # build times (see ``measure``)
+    roofline_ms: float = math.nan
+    mflop: float = math.nan  # of the algorithms the middleware runs
+    mbytes: float = math.nan  # compulsory: weights + input + output
 
     @property
-    def fastest_torch(self) -> tuple[str, float]:
-        have = [(m, self.ms[m]) for m in TORCH_MODES if m in self.ms]
+    def fastest_other(self) -> tuple[str, float]:
+        have = [(m, v) for m, v in self.ms.items() if m != "middleware"]
         return min(have, key=lambda kv: kv[1])
 
     @property
-    def speedup(self) -> float:
-        return self.fastest_torch[1] / self.ms["middleware"]
+    def ratio(self) -> float:
+        """The fastest other engine over the middleware (> 1: the middleware is faster)."""
+        return self.fastest_other[1] / self.ms["middleware"]
+
+
+def missing_packages(engine: str) -> list[str]:
+    return [p for p in NEEDS.get(engine, ()) if importlib.util.find_spec(p) is None]
 
 
 def make_model(net: str) -> tuple[nn.Module, int]:
@@ -123,29 +162,85 @@ def inductor_cache(folder: Path) -> Iterator[None]:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
-def build_compile(model: nn.Module, x: torch.Tensor) -> tuple[Callable[[], Any], float]:
-    """torch.compile the model; returns the runner and seconds to the end of the first call."""
+# ------------------------------------------------------------------------ engines
+def build_compile_freeze(model: nn.Module, x: torch.Tensor) -> tuple[Callable[[], Any], float]:
+    """torch.compile with freezing on channels_last; the runner and seconds to the end of
+    the first call (freezing is read when the graph compiles, i.e. at the first call)."""
     import torch._dynamo
+    import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
+    model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
+    x_cl = x.contiguous(memory_format=torch.channels_last)
     t0 = time.perf_counter()
-    compiled = torch.compile(model, dynamic=False)
-    with torch.inference_mode():
-        compiled(x)
+    with inductor_config.patch(freezing=True):
+        compiled = torch.compile(model_cl, dynamic=False)
+        with torch.inference_mode():
+            compiled(x_cl)
     seconds = time.perf_counter() - t0
 
     def run() -> Any:
         with torch.inference_mode():
-            return compiled(x)
+            return compiled(x_cl)
+
+    return run, seconds
+
+
+def export_onnx(model: nn.Module, x: torch.Tensor, path: Path) -> float:
+    """Seconds to export the model to ONNX (the TorchScript exporter, opset 17)."""
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(path), opset_version=OPSET, dynamo=False)
+    return time.perf_counter() - t0
+
+
+def build_ort(path: Path, x: torch.Tensor, threads: int) -> tuple[Callable[[], Any], float]:
+    import onnxruntime as ort
+
+    t0 = time.perf_counter()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    feed = {sess.get_inputs()[0].name: x.numpy()}
+    sess.run(None, feed)
+    seconds = time.perf_counter() - t0
+
+    def run() -> Any:
+        return sess.run(None, feed)[0]
+
+    return run, seconds
+
+
+def build_openvino(path: Path, x: torch.Tensor, threads: int) -> tuple[Callable[[], Any], float]:
+    import openvino as ov
+
+    t0 = time.perf_counter()
+    config = {
+        "INFERENCE_NUM_THREADS": threads,
+        "INFERENCE_PRECISION_HINT": "f32",
+        "PERFORMANCE_HINT": "LATENCY",
+    }
+    compiled = ov.Core().compile_model(str(path), "CPU", config)
+    request = compiled.create_infer_request()
+    feed = {0: x.numpy()}
+    request.infer(feed, share_inputs=True)
+    seconds = time.perf_counter() - t0
+
+    def run() -> Any:
+        request.infer(feed, share_inputs=True)
+        return request.get_output_tensor(0).data
 
     return run, seconds
 
 
 def build_middleware(
     model: nn.Module, x: torch.Tensor, cache_dir: Path
-) -> tuple[Callable[[], Any], float, float]:
-    """optimize() the model; returns the runner, seconds to the end of the first call and
-    seconds of ``optimize()`` alone (trace, passes, kernels, plan: no run)."""
+) -> tuple[Any, Callable[[], Any], float, float]:
+    """optimize() the model; returns the module, the runner, seconds to the end of the first
+    call and seconds of ``optimize()`` alone (trace, passes, kernels, plan: no run)."""
     import middleware
 
     t0 = time.perf_counter()
@@ -157,7 +252,7 @@ def build_middleware(
     def run() -> Any:
         return opt(x)
 
-    return run, seconds, alone
+    return opt, run, seconds, alone
 
 
 def eager_runners(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
@@ -175,33 +270,86 @@ def eager_runners(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], A
     return {"eager": eager, "eager_cl": eager_cl}
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeat: int) -> dict[str, float]:
-    """Median milliseconds per function; each round calls every function once, in turn."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+# ------------------------------------------------------------------------ timing
+def timed_blocks(
+    fns: dict[str, Callable[[], Any]], warmup: int, repeat: int, block: int, seed: int
+) -> dict[str, float]:
+    """Median milliseconds per engine. Each round runs every engine in a new seeded order,
+    a block of ``block`` + 1 calls each, the first discarded; ``warmup`` rounds untimed."""
+    rng = random.Random(seed)
+    names = list(fns)
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
+    for r in range(warmup + repeat):
+        order = names[:]
+        rng.shuffle(order)
+        for k in order:
+            fn = fns[k]
+            gc.collect()
+            gc.disable()
+            try:
+                fn()  # discarded: the previous engine's spinning threads, cold caches
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    fn()
+                    dt = time.perf_counter() - t0
+                    if r >= warmup:
+                        times[k].append(dt)
+            finally:
+                gc.enable()
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def as_tensor(y: Any) -> torch.Tensor:
+    if isinstance(y, torch.Tensor):
+        return y.detach().contiguous()
+    return torch.from_numpy(y.copy())
 
 
 def max_rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     """Max abs difference over the reference's max magnitude (random-weight networks can
     have outputs far below 1, e.g. ~1e-9 for mobilenet_v2, so no floor at 1)."""
+    if y.shape != ref.shape:
+        return math.inf
     return float((y - ref).abs().max()) / max(1e-30, float(ref.abs().max()))
 
 
+# ------------------------------------------------------------------------ roofline
+WINOGRAD_MULTS = {"winograd_f4x4": (4, 36), "winograd_f2x2": (2, 16)}  # tile, mults/tile
+
+
+def algorithm_flops(opt: Any) -> tuple[float, float]:
+    """(FLOPs of the algorithms the middleware runs, compulsory bytes) of an optimized
+    module's plan: report() FLOPs per node, a Winograd conv counted by its own
+    multiplications; bytes = the plan's weights (after folding) + the input + the output."""
+    plan = opt.plan
+    graph = plan.graph
+    flops = 0.0
+    names = {n.name for n in graph.nodes()}
+    for row in opt.report().rows:
+        f = float(row.flops)
+        if row.algorithm in WINOGRAD_MULTS and row.node in names:
+            tile, mults = WINOGRAD_MULTS[row.algorithm]
+            node = graph.node(row.node)
+            n, k, h, w = graph.values[node.outputs[0]].shape
+            c = graph.values[node.inputs[0]].shape[1]
+            tiles = n * math.ceil(h / tile) * math.ceil(w / tile)
+            f = 2.0 * mults * tiles * c * k
+        flops += f
+    weights = sum(int(a.nbytes) for a in graph.params.values())
+    io = sum(graph.values[v].nbytes for v in graph.inputs) + sum(
+        graph.values[v].nbytes for v in graph.output_values()
+    )
+    return flops, float(weights + io)
+
+
+# ------------------------------------------------------------------------ one network
 def warm_in_child(what: str, net: str, batch: int, cache: Path) -> tuple[float, float]:
     """Seconds to compile ``net`` in a new process with the warm cache folder ``cache``
     (to the end of the first call; and for the middleware ``optimize()`` alone)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--warm-child", what]
     cmd += ["--nets", net, "--batch", str(batch), "--cache-dir", str(cache)]
     env = dict(os.environ)
-    if what == "compile":
+    if what == "compile_freeze":
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
@@ -215,33 +363,86 @@ def child_main(what: str, net: str, batch: int, cache: Path) -> None:
     model, size = make_model(net)
     x = make_input(batch, size)
     alone = math.nan
-    if what == "compile":
-        _, seconds = build_compile(model, x)
+    if what == "compile_freeze":
+        _, seconds = build_compile_freeze(model, x)
     else:
-        _, seconds, alone = build_middleware(model, x, cache)
+        _, _, seconds, alone = build_middleware(model, x, cache)
     print(json.dumps({"seconds": seconds, "alone": alone}))
 
 
-def measure(net: str, batch: int, args: argparse.Namespace, scratch: Path) -> Row:
-    """Every mode of one network at one batch size, and its compile times."""
+def note(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build_engines(
+    net: str, batch: int, args: argparse.Namespace, scratch: Path, engines: Sequence[str]
+) -> tuple[dict[str, Callable[[], Any]], dict[str, float], Any]:
+    """Every available engine of ``engines`` for one network and batch: runners, build
+    seconds (``<engine>`` to the end of the first call, ``<engine>_warm`` in a new
+    process, ``onnx_export``, ``middleware_opt`` = optimize() alone) and the optimized
+    module. A peer that fails to build is skipped with a note."""
     model, size = make_model(net)
     x = make_input(batch, size)
-    fns = eager_runners(model, x)
+    threads = torch.get_num_threads()
+    fns = {k: v for k, v in eager_runners(model, x).items() if k in engines}
     comp: dict[str, float] = {}
-    if not args.no_compile:
+    if "compile_freeze" in engines:
         folder = scratch / f"inductor-{net}-{batch}"
-        with inductor_cache(folder):
-            fns["compile"], comp["compile_cold"] = build_compile(model, x)
-        if not args.no_warm:
-            comp["compile_warm"] = warm_in_child("compile", net, batch, folder)[0]
+        try:
+            with inductor_cache(folder):
+                fns["compile_freeze"], comp["compile_freeze"] = build_compile_freeze(model, x)
+            if not args.no_warm:
+                comp["compile_freeze_warm"] = warm_in_child("compile_freeze", net, batch, folder)[0]
+        except Exception as e:  # noqa: BLE001 - a peer's failure skips the peer only
+            note(f"  torch.compile freezing skipped on {net} b{batch}: {type(e).__name__}: {e}")
+    peers = [e for e in ("ort", "openvino") if e in engines]
+    onnx_path = scratch / f"{net}-{batch}.onnx"
+    if peers:
+        try:
+            comp["onnx_export"] = export_onnx(model, x, onnx_path)
+        except Exception as e:  # noqa: BLE001
+            note(f"  ONNX export failed on {net} b{batch} ({type(e).__name__}: {e}): no ORT/OV")
+            peers = []
+    for peer, build in (("ort", build_ort), ("openvino", build_openvino)):
+        if peer not in peers:
+            continue
+        try:
+            fns[peer], comp[peer] = build(onnx_path, x, threads)
+        except Exception as e:  # noqa: BLE001
+            note(f"  {LABELS[peer]} skipped on {net} b{batch}: {type(e).__name__}: {e}")
     mw_cache = scratch / f"middleware-{net}-{batch}"
-    fns["middleware"], comp["mw_cold"], comp["mw_cold_opt"] = build_middleware(model, x, mw_cache)
+    opt, fns["middleware"], comp["middleware"], comp["middleware_opt"] = build_middleware(
+        model, x, mw_cache
+    )
     if not args.no_warm:
-        comp["mw_warm"], comp["mw_warm_opt"] = warm_in_child("middleware", net, batch, mw_cache)
-    ref = fns["eager"]()
-    err = max_rel_err(fns["middleware"](), ref)
-    ms = interleaved(fns, args.warmup, args.repeat)
-    return Row(net, batch, ms, err, comp)
+        comp["middleware_warm"], comp["middleware_opt_warm"] = warm_in_child(
+            "middleware", net, batch, mw_cache
+        )
+    return fns, comp, opt
+
+
+def measure(
+    net: str, batch: int, args: argparse.Namespace, scratch: Path, peak: tuple[float, float]
+) -> Row:
+    """Every engine on one network at one batch size, its roofline and build times."""
+    fns, comp, opt = build_engines(net, batch, args, scratch, args.engines)
+    build = "  ".join(f"{k} {v:.1f}s" for k, v in comp.items())
+    note(f"  {net} b{batch} built: {build}")
+    ref = as_tensor(fns["eager"]())
+    err = {k: max_rel_err(as_tensor(fn()), ref) for k, fn in fns.items()}
+    for k, e in err.items():
+        if not e <= args.tol:
+            note(
+                f"  WARNING {net} b{batch}: {LABELS[k]} differs from eager by {e:.1e} (> {args.tol})"
+            )
+    block = args.block or (5 if batch <= 2 else 2)
+    ms = timed_blocks(
+        fns, args.warmup, args.repeat, block, seed=zlib.crc32(f"{net}/{batch}".encode())
+    )
+    flops, nbytes = algorithm_flops(opt)
+    gflops, gbs = peak
+    roof = (flops / (gflops * 1e9) + nbytes / (gbs * 1e9)) * 1e3
+    return Row(net, batch, ms, err, comp, roof, flops / 1e6, nbytes / 1e6)
 
 
 # ------------------------------------------------------------------------ report
@@ -254,40 +455,58 @@ def _f(v: float | None, digits: int = 1) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
 
-def markdown(rows: Sequence[Row], meta: str) -> str:
-    """The README table: latency per mode, speedup, geometric means, compile times."""
+def markdown(rows: Sequence[Row], meta: str, tol: float) -> str:
+    """The README tables: latency per engine, the ratio over the fastest other engine, the
+    roofline, geometric means, then build times."""
+    engines = [e for e in ENGINES if any(e in r.ms for r in rows)]
     lines = [meta, ""]
+    head = " | ".join(f"{LABELS[e]} ms" for e in engines)
     lines.append(
-        "| network | batch | eager ms | eager channels_last ms | torch.compile ms | "
-        "middleware ms | fastest PyTorch | speedup | max rel. err |"
+        f"| network | batch | {head} | fastest other | ratio | roofline ms | "
+        "x roofline | max rel. err |"
     )
-    lines.append("|---|---:|---:|---:|---:|---:|---|---:|---:|")
+    lines.append("|---|---:|" + "---:|" * len(engines) + "---|---:|---:|---:|---:|")
     for r in rows:
-        best, _ = r.fastest_torch
+        best, _ = r.fastest_other
+        cells = []
+        for e in engines:
+            flag = "!" if e in r.err and not r.err[e] <= tol else ""
+            cells.append(_f(r.ms.get(e)) + flag)
+        worst = max((v for k, v in r.err.items() if k != "eager"), default=0.0)
         lines.append(
-            f"| {r.net} | {r.batch} | {_f(r.ms.get('eager'))} | {_f(r.ms.get('eager_cl'))} | "
-            f"{_f(r.ms.get('compile'))} | {_f(r.ms['middleware'])} | {best} | "
-            f"{r.speedup:.2f}x | {r.max_err:.1e} |"
+            f"| {r.net} | {r.batch} | {' | '.join(cells)} | {LABELS[best]} | "
+            f"{r.ratio:.2f}x | {_f(r.roofline_ms, 2)} | "
+            f"{r.ms['middleware'] / r.roofline_ms:.1f}x | {worst:.1e} |"
         )
     lines.append("")
     for b in sorted({r.batch for r in rows}):
-        sel = [r.speedup for r in rows if r.batch == b]
+        sel = [r.ratio for r in rows if r.batch == b]
+        roof = [r.ms["middleware"] / r.roofline_ms for r in rows if r.batch == b]
         lines.append(
-            f"Geometric mean speedup of the middleware over the fastest PyTorch mode, batch "
-            f"{b}: **{geomean(sel):.2f}x** ({sum(s > 1 for s in sel)}/{len(sel)} networks faster)."
+            f"Batch {b}: the middleware over the fastest other engine, geometric mean "
+            f"**{geomean(sel):.2f}x** ({sum(s > 1 for s in sel)}/{len(sel)} networks faster); "
+            f"its distance to the roofline, geometric mean {geomean(roof):.1f}x."
         )
     lines += [
         "",
-        "| network | batch | torch.compile cold s | torch.compile warm s | "
-        "middleware cold s | middleware warm s | optimize() alone cold / warm s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        f"Ratio: the fastest other engine's median over the middleware's (> 1: the middleware "
+        f"is faster). `!`: output differs from eager by more than {tol:g} of its scale. "
+        "Roofline: FLOPs of the algorithms the middleware runs at the measured GEMM peak plus "
+        "weights + input + output bytes at the measured triad.",
+        "",
+        "| network | batch | MFLOP (algorithms used) | compulsory MB | ONNX export s | "
+        "ORT session s | OpenVINO compile s | torch.compile freezing cold / warm s | "
+        "middleware cold / warm s | optimize() alone cold / warm s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         c = r.compile_s
         lines.append(
-            f"| {r.net} | {r.batch} | {_f(c.get('compile_cold'))} | "
-            f"{_f(c.get('compile_warm'))} | {_f(c.get('mw_cold'))} | {_f(c.get('mw_warm'))} | "
-            f"{_f(c.get('mw_cold_opt'))} / {_f(c.get('mw_warm_opt'))} |"
+            f"| {r.net} | {r.batch} | {_f(r.mflop)} | {_f(r.mbytes)} | "
+            f"{_f(c.get('onnx_export'))} | {_f(c.get('ort'))} | {_f(c.get('openvino'))} | "
+            f"{_f(c.get('compile_freeze'))} / {_f(c.get('compile_freeze_warm'))} | "
+            f"{_f(c.get('middleware'))} / {_f(c.get('middleware_warm'))} | "
+            f"{_f(c.get('middleware_opt'))} / {_f(c.get('middleware_opt_warm'))} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -296,12 +515,19 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nets", default=",".join(NETWORKS), help="comma-separated networks")
     p.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
-    p.add_argument("--repeat", type=int, default=5, help="timed rounds (median)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    p.add_argument(
+        "--engines", default=",".join(ENGINES), help="comma-separated (eager, middleware always)"
+    )
+    p.add_argument("--repeat", type=int, default=3, help="timed rounds")
+    p.add_argument(
+        "--block", type=int, default=0, help="timed calls per block (0: 5 at batch 1-2, else 2)"
+    )
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    p.add_argument("--tol", type=float, default=1e-3, help="max relative error against eager")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow cold)")
     p.add_argument("--no-warm", action="store_true", help="skip the warm-compile child runs")
     p.add_argument("--out", type=Path, help="write the markdown table here")
-    p.add_argument("--warm-child", choices=("compile", "middleware"), help=argparse.SUPPRESS)
+    p.add_argument("--warm-child", choices=("compile_freeze", "middleware"), help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -316,28 +542,54 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.warm_child:
         child_main(args.warm_child, nets[0], batches[0], args.cache_dir)
         return
+    asked = {e.strip() for e in args.engines.split(",") if e.strip()} | {"eager", "middleware"}
+    bad = asked - set(ENGINES)
+    if bad:
+        raise SystemExit(f"unknown engine(s) {sorted(bad)}; choose from {', '.join(ENGINES)}")
+    if args.no_compile:
+        asked.discard("compile_freeze")
+    engines = []
+    for e in ENGINES:
+        if e not in asked:
+            continue
+        gone = missing_packages(e)
+        if gone:
+            note(
+                f"{LABELS[e]} skipped: package(s) {', '.join(gone)} not installed "
+                "(pip install -e '.[bench]')"
+            )
+            continue
+        engines.append(e)
+    args.engines = engines
+    from middleware.hardware import measure_cpu
+
+    m = measure_cpu()
+    note(f"measured: GEMM {m.gflops:.0f} GFLOP/s, triad {m.gbs:.1f} GB/s (spread {m.spread:.2f})")
+    load = os.getloadavg()
     t_start = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="zoo-") as tmp:
         for net in nets:
             for b in batches:
                 t0 = time.perf_counter()
-                row = measure(net, b, args, Path(tmp))
+                row = measure(net, b, args, Path(tmp), (m.gflops, m.gbs))
                 rows.append(row)
-                ms = "  ".join(f"{k} {v:.1f}" for k, v in row.ms.items())
-                cs = "  ".join(f"{k} {v:.1f}s" for k, v in row.compile_s.items())
-                print(
-                    f"{net} b{b}: {ms} ms | speedup {row.speedup:.2f}x | err {row.max_err:.1e}"
-                    f" | {cs} | {time.perf_counter() - t0:.0f}s",
-                    file=sys.stderr,
-                    flush=True,
+                ms = "  ".join(f"{k} {v:.2f}" for k, v in row.ms.items())
+                note(
+                    f"{net} b{b}: {ms} ms | ratio {row.ratio:.2f}x over {row.fastest_other[0]} "
+                    f"| roofline {row.roofline_ms:.2f} ms | {time.perf_counter() - t0:.0f}s"
                 )
+    load_end = os.getloadavg()
     meta = (
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"median of {args.repeat} interleaved rounds after {args.warmup} warm-up rounds; "
+        f"{os.cpu_count()} cores; GEMM peak {m.gflops:.0f} GFLOP/s and triad {m.gbs:.1f} GB/s "
+        f"measured at the start; median of {args.repeat} rounds x a block per engine "
+        f"(block {args.block or '5 at batch 1, 2 at batch 16'}, first call of each block "
+        f"discarded) after {args.warmup} warm-up round(s), seeded random order per round; "
+        f"load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end; "
         f"whole run {time.perf_counter() - t_start:.0f} s."
     )
-    text = markdown(rows, meta)
+    text = markdown(rows, meta, args.tol)
     print(text)
     if args.out:
         args.out.write_text(text)
