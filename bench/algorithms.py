@@ -497,6 +497,144 @@ def layers_table(args: argparse.Namespace, cache: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+NET_LAYER_NETS = ("resnet18", "vgg16", "mobilenet_v2", "squeezenet1_1")
+
+
+def net_conv_problems(net: str, batch: int) -> list[tuple[dict[str, Any], list[str]]]:
+    """The distinct conv2d problems of ``net`` at ``batch`` (input shape, weight shape,
+    stride, padding, dilation, groups), each with the names of the layers that pose it, in
+    first-use order (forward hooks on one eager call)."""
+    model, size = make_model(net)
+    seen: dict[tuple, tuple[dict[str, Any], list[str]]] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(mod: nn.Conv2d, inputs: tuple, _out: Any) -> None:
+            prob = dict(
+                x_shape=tuple(inputs[0].shape),
+                w_shape=tuple(mod.weight.shape),
+                stride=tuple(mod.stride),
+                padding=tuple(mod.padding),
+                dilation=tuple(mod.dilation),
+                groups=mod.groups,
+            )
+            key = tuple(sorted(prob.items()))
+            seen.setdefault(key, (prob, []))[1].append(name)
+
+        return record
+
+    handles = [
+        m.register_forward_hook(hook(n))
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Conv2d)
+    ]
+    with torch.inference_mode():
+        model(make_input(batch, size))
+    for h in handles:
+        h.remove()
+    return list(seen.values())
+
+
+def net_layer_case(prob: dict[str, Any]) -> tuple[Graph, Node]:
+    """One channels_last conv2d + bias + ReLU node of the problem, variance-keeping weights."""
+    rng = np.random.default_rng(0)
+    g = Graph()
+    g.add_input("x", TensorType(prob["x_shape"], layout="nhwc"))
+    ws = prob["w_shape"]
+    fan_in = ws[1] * ws[2] * ws[3]
+    g.add_param("w", (rng.standard_normal(ws) * math.sqrt(2 / fan_in)).astype(np.float32))
+    g.add_param("b", (rng.standard_normal(ws[0]) * 0.1).astype(np.float32))
+    attrs: dict[str, Any] = dict(
+        stride=prob["stride"],
+        padding=prob["padding"],
+        dilation=prob["dilation"],
+        groups=prob["groups"],
+        activation="relu",
+        activation_attrs=(),
+    )
+    node = Node("c", "conv2d", ("x", "w", "b"), ("y",), attrs)
+    g.add_node(node, infer_types(g.values, node))
+    g.set_outputs("y")
+    return g, node
+
+
+def net_layers_table(args: argparse.Namespace, cache: Path) -> str:
+    """Per network and batch, per distinct conv2d problem: each applicable algorithm's call
+    time (median ms of interleaved rounds), every output checked against the catalogue's
+    reference (F.conv2d + bias + ReLU)."""
+    opts, hw = Options(cache_dir=cache), detect("cpu", None, measure=False)
+    rng = random.Random(0)
+    names = [n for n in ALGORITHMS["conv2d"]]
+    nets = [n.strip() for n in args.nets.split(",") if n.strip()]
+    nets = [n for n in nets if n in NET_LAYER_NETS] or list(NET_LAYER_NETS)
+    lines = [
+        "Time per call (median ms); '-' not applicable; fastest in bold. Shape: "
+        "in->out channels, kernel/stride [g groups] @ N x H x W; each layer with its "
+        "convolution's bias and a ReLU epilogue.",
+        "",
+        "| network | batch | layer (count) | shape | " + " | ".join(names) + " | fastest |",
+        "|---|---:|---|---|" + "---:|" * len(names) + "---|",
+    ]
+    totals: dict[tuple[str, int], dict[str, float]] = {}
+    for b in [int(v) for v in str(args.batch).split(",")]:
+        for net in nets:
+            tot = totals.setdefault((net, b), {n: 0.0 for n in names} | {"best": 0.0})
+            for prob, layers in net_conv_problems(net, b):
+                g, node = net_layer_case(prob)
+                x = case_inputs(g)
+                ref = get_op("conv2d").bind(node)(*x)
+                fns: dict[str, Callable[[], Any]] = {}
+                for name in names:
+                    a = ALGORITHMS["conv2d"][name]
+                    if a.applies(g, node, torch.device("cpu"), opts) is not None:
+                        continue
+                    fn = a.build(g, node, torch.device("cpu"), opts, hw)
+                    if fn is None:
+                        continue
+                    with torch.inference_mode():
+                        err = max_rel_err(fn(*x), ref)
+                    bound = 1e-4 if a.exact else 10 * (a.error_bound or 1e-4)
+                    if err > bound:
+                        raise SystemExit(f"{net} {layers[0]}: {name} error {err:.1e}")
+                    fns[name] = lambda fn=fn, x=x: fn(*x)
+                with torch.inference_mode():
+                    ms = interleaved(fns, args.warmup, args.repeat, rng)
+                best = min(ms, key=ms.__getitem__)
+                for name in names:
+                    tot[name] += len(layers) * ms.get(name, ms["vendor"])
+                tot["best"] += len(layers) * ms[best]
+                ks = prob["w_shape"]
+                xs = prob["x_shape"]
+                shape = (
+                    f"{xs[1]}->{ks[0]} {ks[2]}x{ks[3]}/{prob['stride'][0]}"
+                    + (f" g{prob['groups']}" if prob["groups"] > 1 else "")
+                    + f" @ {xs[0]}x{xs[2]}x{xs[3]}"
+                )
+                cells = " | ".join(
+                    ("**" if n == best else "") + f"{ms[n]:.3g}" + ("**" if n == best else "")
+                    if n in ms
+                    else "-"
+                    for n in names
+                )
+                lines.append(
+                    f"| {net} | {b} | {layers[0]} ({len(layers)}) | {shape} | {cells} | {best} |"
+                )
+                print(lines[-1], file=sys.stderr, flush=True)
+    lines += [
+        "",
+        "Sum over every conv2d layer (ms; a layer where an algorithm does not apply counts "
+        "its vendor time), and the per-layer best:",
+        "",
+        "| network | batch | " + " | ".join(names) + " | per-layer best | best / vendor |",
+        "|---|---:|" + "---:|" * (len(names) + 2),
+    ]
+    for (net, b), tot in totals.items():
+        cells = " | ".join(f"{tot[n]:.1f}" for n in names)
+        lines.append(
+            f"| {net} | {b} | {cells} | {tot['best']:.1f} | {tot['best'] / tot['vendor']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 ERROR_SHAPES = [
     ((1, 16, 9, 7), (32, 16, 3, 3), 1),
     ((2, 32, 8, 10), (16, 32, 3, 3), 0),
@@ -569,14 +707,25 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="write the markdown table here")
     p.add_argument("--layers", action="store_true", help="single-layer times per algorithm")
     p.add_argument("--errors", action="store_true", help="each algorithm's measured error")
+    p.add_argument(
+        "--net-layers",
+        action="store_true",
+        help="every conv2d layer of resnet18, vgg16, mobilenet_v2, squeezenet1_1 (or --nets): "
+        "each applicable algorithm's time",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
-    if args.layers or args.errors:
+    if args.layers or args.errors or args.net_layers:
         with tempfile.TemporaryDirectory(prefix="algorithms-") as tmp:
-            text = errors_table(Path(tmp)) if args.errors else layers_table(args, Path(tmp))
+            if args.net_layers:
+                text = net_layers_table(args, Path(tmp))
+            elif args.errors:
+                text = errors_table(Path(tmp))
+            else:
+                text = layers_table(args, Path(tmp))
         print(text)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)

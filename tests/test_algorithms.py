@@ -96,7 +96,7 @@ def test_im2col_gemm_equals_f_conv2d_and_chunks_the_batch(monkeypatch):
 
 def test_records_say_exactness_memory_and_reasons():
     table = ALGORITHMS["conv2d"]
-    assert list(table) == ["vendor", "winograd_f4x4", "im2col_gemm", "winograd_f2x2"]
+    assert list(table) == ["vendor", "winograd_f4x4", "im2col_gemm", "winograd_f2x2", "direct"]
     assert table["vendor"].exact and table["im2col_gemm"].exact
     assert not table["winograd_f4x4"].exact and table["winograd_f4x4"].error_bound == 1e-4
     assert not table["winograd_f2x2"].exact

@@ -18,6 +18,9 @@ conv2d, built in (``ALGORITHMS["conv2d"]``):
 - ``winograd_f2x2``: Winograd F(2x2,3x3) (``winograd_f2.py``: transforms generated from
   its matrices); 16/9 of the weight instead of 36/9, approximate with a smaller measured
   bound; runs where named or tuned, never by the default's rule.
+- ``direct``: a generated direct convolution with the epilogue fused (``direct.py``):
+  depthwise layers SIMD over channels, others blocked over output pixels and channels;
+  exact, no workspace.
 - ``im2col_gemm``: the input's patches copied into a workspace (im2row: one row per output
   pixel, columns (kh, kw, c)) and multiplied by the weight with the framework's GEMM
   (``addmm``; ``bmm`` per group), then the residual add and the activation in place.
@@ -50,7 +53,7 @@ from ...hardware import Hardware
 from ...ops import get_op
 from ...options import Options
 from ...version import __version__
-from . import tuning
+from . import direct, tuning
 from . import winograd as wg
 from . import winograd_f2 as wg2
 from .calls import _conv_geometry, activation_attrs, inplace_activation, vendor_kernel
@@ -173,6 +176,17 @@ def _winograd_f2_build(
     return wg2.kernel(graph, node, options, hardware)
 
 
+# ------------------------------------------------------------------------ direct
+def _direct_applies(graph: Graph, node: Node, device: torch.device, options: Options) -> str | None:
+    return direct.why_not(graph, node, device)
+
+
+def _direct_build(
+    graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
+) -> Kernel | None:
+    return direct.kernel(graph, node, options, hardware)
+
+
 # ----------------------------------------------------------------- the tables
 VENDOR = Algorithm(
     "vendor",
@@ -212,13 +226,22 @@ WINOGRAD_F2X2 = Algorithm(
     description="Winograd F(2x2,3x3): transforms generated from its matrices around the "
     "framework's GEMM; 16/9 of the weight instead of F(4x4)'s 36/9",
 )
+DIRECT = Algorithm(
+    "direct",
+    "conv2d",
+    _direct_applies,
+    _direct_build,
+    direct.extra_bytes,
+    description="generated direct convolution (depthwise: SIMD over channels; else blocked "
+    "pixels x output channels), epilogue fused, no workspace",
+)
 LINEAR_VENDOR = dataclasses.replace(
     VENDOR, op="linear", description="oneDNN/MKL (packed where measured faster) or F.linear"
 )
 
 # Per op, its algorithms by name; the first is the default's fallback.
 ALGORITHMS: dict[str, dict[str, Algorithm]] = {
-    "conv2d": {a.name: a for a in (VENDOR, WINOGRAD_F4X4, IM2COL_GEMM, WINOGRAD_F2X2)},
+    "conv2d": {a.name: a for a in (VENDOR, WINOGRAD_F4X4, IM2COL_GEMM, WINOGRAD_F2X2, DIRECT)},
     "linear": {LINEAR_VENDOR.name: LINEAR_VENDOR},
 }
 
