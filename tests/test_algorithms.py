@@ -439,3 +439,79 @@ def test_winograd_f2x2_by_name_through_optimize(net_cache):
     assert "grouped" in rows[3].reason
     opt, _, _ = _run(net_cache)
     assert "winograd_f2x2" not in {r.algorithm for r in _conv_rows(opt)}
+
+
+# A user's algorithm in C: a naive direct convolution, rendered per layer (jinja2)
+NAIVE_C = r"""
+/* {{ name }}: naive direct convolution, {{ input_shape }} -> {{ output_shape }} */
+void {{ name }}(const float *x, const float *w, const float *b, float *y, int n)
+{
+  const int C = {{ input_shape[1] }}, H = {{ input_shape[2] }}, W = {{ input_shape[3] }};
+  const int K = {{ output_shape[1] }}, OH = {{ output_shape[2] }}, OW = {{ output_shape[3] }};
+  const int KH = {{ weight_shape[2] }}, KW = {{ weight_shape[3] }}, G = {{ groups }};
+  const int CG = C / G, KG = K / G;
+  #pragma omp parallel for collapse(2)
+  for (int i = 0; i < n; ++i)
+    for (int k = 0; k < K; ++k)
+      for (int oh = 0; oh < OH; ++oh)
+        for (int ow = 0; ow < OW; ++ow) {
+          float acc = b ? b[k] : 0.0f;
+          const int g = k / KG;
+          for (int c = 0; c < CG; ++c)
+            for (int kh = 0; kh < KH; ++kh)
+              for (int kw = 0; kw < KW; ++kw) {
+                const int ih = oh * {{ stride[0] }} - {{ padding[0] }} + kh * {{ dilation[0] }};
+                const int iw = ow * {{ stride[1] }} - {{ padding[1] }} + kw * {{ dilation[1] }};
+                if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+                acc += x[(((long)i * C + g * CG + c) * H + ih) * W + iw]
+                     * w[(((long)k * CG + c) * KH + kh) * KW + kw];
+              }
+          y[(((long)i * K + k) * OH + oh) * OW + ow] = acc;
+        }
+}
+"""
+
+
+@pytest.fixture
+def c_algorithm():
+    middleware.register_algorithm("conv2d", "naive_c", c_template=NAIVE_C)
+    yield
+    middleware.unregister_algorithm("conv2d", "naive_c")
+
+
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_a_c_algorithm_matches_pytorch_on_every_shape(c_algorithm, layout, tmp_path):
+    algorithm = ALGORITHMS["conv2d"]["naive_c"]
+    opts = Options(cache_dir=tmp_path)
+    for xs, ws, kw in SHAPES:
+        for ep in EPILOGUES:
+            g, node = conv_graph(xs, ws, layout, **kw, **ep)
+            assert algorithm.applies(g, node, CPU, opts) is None
+            fn = algorithm.build(g, node, CPU, opts, hardware())
+            args = _inputs(g, layout)
+            y = fn(*args)
+            fmt = CL if layout == "nhwc" else torch.contiguous_format
+            assert y.is_contiguous(memory_format=fmt)
+            _close(y, get_op("conv2d").bind(node)(*args))
+
+
+def test_a_c_algorithm_is_selectable_like_a_built_in(c_algorithm, net_cache):
+    opt, y, ref = _run(net_cache, algorithms={"conv2d": "naive_c"})
+    _close(y, ref)
+    assert [r.algorithm for r in _conv_rows(opt)] == ["naive_c"] * 4
+
+
+def test_c_algorithm_errors_name_the_problem(tmp_path):
+    with pytest.raises(OptionsError, match="exactly one of fn"):
+        middleware.register_algorithm("conv2d", "both", F.conv2d, c_template=NAIVE_C)
+    with pytest.raises(OptionsError, match="not a valid jinja2 template"):
+        middleware.register_algorithm("conv2d", "broken", c_template="{% if %}")
+    middleware.register_algorithm("conv2d", "bad_c", c_template="void {{ name }}(int) { oops }")
+    try:
+        g, node = conv_graph((1, 3, 8, 8), (4, 3, 3, 3), "nhwc", padding=1)
+        with pytest.raises(OptionsError, match="'bad_c'.*does not compile"):
+            ALGORITHMS["conv2d"]["bad_c"].build(
+                g, node, CPU, Options(cache_dir=tmp_path), hardware()
+            )
+    finally:
+        middleware.unregister_algorithm("conv2d", "bad_c")

@@ -40,19 +40,25 @@ named algorithm that does not apply, or whose extra bytes exceed
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import hashlib
+import re
 from collections.abc import Callable
 from typing import Any
 
+import jinja2
 import numpy as np
 import torch
 
-from ...errors import OptionsError
+from ...errors import CompileError, OptionsError
 from ...graph import Graph, Node
 from ...hardware import Hardware
 from ...ops import get_op
 from ...options import Options
 from ...version import __version__
+from ..x86.build import load_shared
+from ..x86.compile import build_c
 from . import direct, tuning
 from . import winograd as wg
 from . import winograd_f2 as wg2
@@ -260,8 +266,9 @@ ConvFn = Callable[..., torch.Tensor]
 def register_algorithm(
     op: str,
     name: str,
-    fn: ConvFn,
+    fn: ConvFn | None = None,
     *,
+    c_template: str | None = None,
     applies: Callable[[Layer], str | None] | None = None,
     exact: bool = True,
     error_bound: float | None = None,
@@ -272,10 +279,21 @@ def register_algorithm(
     """Add algorithm ``name`` for ``op`` (conv2d), selectable by name in
     ``optimize(..., algorithms={op: name})``.
 
-    ``fn(x, weight, bias, stride, padding, dilation, groups)`` computes ``conv(x) + bias``
-    on tensors like ``F.conv2d`` (``bias`` may be None; weight and bias are the layer's
-    constants, converted once); the middleware adds the residual and applies the fused
-    activation after it and returns the node's layout. ``applies(layer)`` returns None
+    Either ``fn(x, weight, bias, stride, padding, dilation, groups)``, computing ``conv(x)
+    + bias`` on tensors like ``F.conv2d`` (``bias`` may be None; weight and bias are the
+    layer's constants, converted once), or ``c_template``: the text of a jinja2 template
+    of C, rendered per layer with the :class:`Layer`'s fields (``input_shape``,
+    ``weight_shape``, ``output_shape``, ``stride``, ``padding``, ``dilation``, ``groups``,
+    ``bias``, ..., the layer's own name as ``layer_name``) and ``name``, the function it
+    must define::
+
+        void {{ name }}(const float *x, const float *w, const float *b, float *y, int n)
+
+    with ``x`` the float32 NCHW input of batch ``n``, ``w`` PyTorch's ``[K, C/groups, KH,
+    KW]`` weight, ``b`` the bias or NULL, and ``y`` the NCHW output to fill with ``conv(x)
+    + bias`` (float32 layers only). It is compiled through the kernel cache (gcc -O3
+    -march=native -fopenmp), once per distinct layer. Either way the middleware adds the
+    residual and applies the fused activation after it and returns the node's layout. ``applies(layer)`` returns None
     where ``fn`` can run the :class:`Layer`, else the reason (the default then runs that
     layer and the report says why). ``replace`` allows redefining a user algorithm; a
     built-in one cannot be replaced."""
@@ -292,6 +310,19 @@ def register_algorithm(
         )
     if not exact and error_bound is None:
         raise OptionsError(f"algorithm {name!r} is approximate: give its error_bound")
+    if (fn is None) == (c_template is None):
+        raise OptionsError(
+            f"register_algorithm({op!r}, {name!r}): give exactly one of fn (a Python "
+            "callable on tensors) and c_template (C source as a jinja2 template)"
+        )
+    if c_template is not None:
+        try:
+            template = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(c_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise OptionsError(
+                f"register_algorithm({op!r}, {name!r}): c_template is not a valid jinja2 "
+                f"template: {e} (line {e.lineno})"
+            ) from e
 
     def index_of(graph: Graph, node: Node) -> Layer:
         return layer_of(graph, node, layer_indices(graph, op).get(node.name, -1))
@@ -300,6 +331,11 @@ def register_algorithm(
         graph: Graph, node: Node, device: torch.device, options: Options
     ) -> str | None:
         why = im2col_applies(graph, node, device, options)  # constant weight, numeric padding
+        if why is None and c_template is not None:
+            if device.type != "cpu":
+                why = f"a C algorithm runs on the CPU, not {device.type}"
+            elif graph.values[node.inputs[0]].dtype != "float32":
+                why = "a C algorithm takes float32 layers"
         if why is None and applies is not None:
             why = applies(index_of(graph, node))
         return why
@@ -307,7 +343,11 @@ def register_algorithm(
     def user_build(
         graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
     ) -> Kernel | None:
-        return python_kernel(graph, node, device, fn)
+        if c_template is None:
+            assert fn is not None
+            return python_kernel(graph, node, device, fn)
+        conv = c_conv_fn(name, template, index_of(graph, node), options, hardware)
+        return python_kernel(graph, node, device, conv)
 
     def user_extra(graph: Graph, node: Node) -> int:
         return 0 if extra_bytes is None else int(extra_bytes(index_of(graph, node)))
@@ -325,6 +365,51 @@ def unregister_algorithm(op: str, name: str) -> None:
     if old is not None and old.builtin:
         raise OptionsError(f"algorithm {name!r} for {op} is built in and cannot be removed")
     ALGORITHMS.get(op, {}).pop(name, None)
+
+
+def c_conv_fn(
+    algorithm: str, template: jinja2.Template, layer: Layer, options: Options, hardware: Hardware
+) -> ConvFn:
+    """A user's C template rendered for ``layer``, compiled through the kernel cache and
+    wrapped as an ``F.conv2d``-like callable (see :func:`register_algorithm`). A template
+    that does not render, or C that does not compile, raises :class:`OptionsError` naming
+    the algorithm, the layer and the compiler's message."""
+    fields = dataclasses.asdict(layer)
+    fields["layer_name"] = fields.pop("name")  # ``name`` is the function to define
+    digest = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:10]
+    fname = f"user_{re.sub(r'[^0-9A-Za-z_]', '_', algorithm)}_{digest}"
+    try:
+        src = template.render(name=fname, **fields)
+    except jinja2.TemplateError as e:
+        raise OptionsError(
+            f"algorithm {algorithm!r}: its c_template does not render for layer {layer.name}: {e}"
+        ) from e
+    try:
+        built = build_c(fname, src, options.cache_dir, key_extra=(hardware.key(),))
+    except CompileError as e:
+        raise OptionsError(
+            f"algorithm {algorithm!r}: its C for layer {layer.name} does not compile "
+            f"(source: {e.source_path}):\n{e}"
+        ) from e
+    cfn = getattr(load_shared(built.binary), fname, None)
+    if cfn is None:
+        raise OptionsError(
+            f"algorithm {algorithm!r}: its C defines no function {fname} (use "
+            "void {{ name }}(const float *x, const float *w, const float *b, float *y, int n))"
+        )
+    cfn.restype = None
+    cfn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    out_shape = layer.output_shape[1:]
+
+    def conv_c(x, weight, bias, stride, padding, dilation, groups):
+        x = x.contiguous()
+        w = weight.contiguous()
+        y = torch.empty((x.shape[0], *out_shape), dtype=x.dtype)
+        b = bias.data_ptr() if bias is not None else None
+        cfn(x.data_ptr(), w.data_ptr(), b, y.data_ptr(), x.shape[0])
+        return y
+
+    return conv_c
 
 
 def python_kernel(graph: Graph, node: Node, device: torch.device, fn: ConvFn) -> Kernel:
