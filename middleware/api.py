@@ -12,7 +12,7 @@ import torch.nn as nn
 from .backends import backend_for, describe_available
 from .backends.vendor import Layer, check_selection, register_algorithm, unregister_algorithm
 from .capture import compile_or_capture
-from .errors import DeviceError, OptionsError, TrainingModeError
+from .errors import DeviceError, OptionsError
 from .frontends import trace as _trace
 from .graph import Graph
 from .options import Options, default_cache_dir, selection_pairs
@@ -71,17 +71,17 @@ def optimize(
     ``layout``, ``fuse``, ``algorithms``, ...) are the fields of :class:`middleware.Options`;
     ``algorithms={"conv2d": sel}`` picks each convolution's algorithm (a name, a list by
     layer, or a callable on a :class:`Layer`; see ``backends/vendor/algorithms.py``).
-    The original model is never modified. A model ``torch.fx`` cannot trace (data-dependent
+    A model in training mode (``model.train()``) gets training plans: the outputs carry
+    autograd history over the model's own parameters, so ``loss.backward()`` and any
+    ``torch.optim`` optimizer work as on the model (``optimized.train()``/``.eval()``
+    switch both, each mode with plans of its own). Apart from that (and the running
+    statistics a training-mode batch-norm updates) the original model is never modified.
+    A model ``torch.fx`` cannot trace (data-dependent
     control flow) is captured through TorchDynamo instead: its subgraphs are optimized, the
     Python between them runs as written, and ``report()`` lists both.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes a torch.nn.Module, got {type(model).__name__}")
-    if model.training:
-        raise TrainingModeError(
-            f"{type(model).__name__} is in training mode; training is not yet supported. "
-            "Call model.eval() before optimize()"
-        )
     o = make_options(device, cache_dir, options)
     return OptimizedModule(model, o, compile_or_capture, example_inputs)
 

@@ -20,7 +20,6 @@ from middleware.errors import (
     InputMismatchError,
     InputTypeError,
     MiddlewareError,
-    TrainingModeError,
     UnsupportedError,
 )
 
@@ -140,22 +139,24 @@ def test_zero_size_batch_works(tree_close) -> None:
 
 
 # ------------------------------------------------------------------ training mode
-def test_model_in_train_mode_is_refused_by_optimize() -> None:
-    with pytest.raises(TrainingModeError, match=r"Call model.eval\(\) before optimize\(\)"):
-        middleware.optimize(Small().train())
+def test_model_in_train_mode_gets_a_training_plan() -> None:
+    # training plans (runtime/training.py, tests/test_training.py): outputs with autograd
+    model = Small().train()
+    out = middleware.optimize(model)(torch.randn(*X))
+    assert out.requires_grad and model.training
 
 
-def test_train_after_optimize_is_refused_on_a_known_signature() -> None:
-    # the plan computes eval-mode batch-norm: it silently differed from train-mode PyTorch
+def test_train_after_optimize_switches_to_the_training_plan() -> None:
+    # the eval plan computes eval-mode batch-norm: it must not serve a train-mode call
     model = Small().eval()
     x = torch.randn(*X)
     optimized = middleware.optimize(model, example_inputs=x)
     optimized(x)
     model.train()
-    with pytest.raises(TrainingModeError, match=r"Call model.eval\(\) before running"):
-        optimized(x)
+    assert optimized(x).requires_grad
     model.eval()
-    optimized(x)
+    with torch.no_grad():
+        assert not optimized(x).requires_grad
 
 
 class TrainBN(nn.Module):

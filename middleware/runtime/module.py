@@ -17,7 +17,6 @@ from ..errors import (
     InputTypeError,
     InternalError,
     MiddlewareError,
-    TrainingModeError,
     UnsupportedError,
 )
 from ..graph import Graph
@@ -34,7 +33,8 @@ from .inputs import (
 from .plan import Plan
 from .profile import ProfileResult, measure
 from .report import Report, ReportRow
-from .weights import WeightSnapshot, describe_names, install_registration_hooks
+from .training import compile_training, mode_key
+from .weights import WeightSnapshot, describe_names, install_registration_hooks, registrations
 
 
 @dataclasses.dataclass
@@ -85,7 +85,8 @@ class OptimizedModule(nn.Module):
         # (and so modify) the user's model.
         object.__setattr__(self, "_original", model)
         object.__setattr__(self, "_compile_fn", compile_fn)
-        self.train(False)  # an inference module; train() does not change what it computes
+        # mirrors the original's mode; train()/eval() on this module switch the original's
+        nn.Module.train(self, model.training)
         self.options = options
         self._plans: dict[tuple, Compiled] = {}
         self._specs: list[InputSpec] | None = None
@@ -95,6 +96,10 @@ class OptimizedModule(nn.Module):
         self._weights: WeightSnapshot | None = None  # what the cached plans were built from
         self._rebuilds = 0  # how often plans were dropped because the weights changed
         self._rebuild_reason = ""  # the latest such change, for report()
+        # training plans, keyed by (input signature, every submodule's training flag); they
+        # read the user's own tensors, so only a replaced tensor object rebuilds them
+        self._train_plans: dict[tuple, Compiled] = {}
+        self._train_weights: WeightSnapshot | None = None
         install_registration_hooks()
         if example_inputs is not None:
             inputs = (
@@ -104,7 +109,10 @@ class OptimizedModule(nn.Module):
             )
             self._check_types(inputs)
             with _GLOBAL_COMPILE_LOCK:  # optimize() may run in several threads at once
-                self._compile(inputs, self._signature(inputs))
+                if model.training:
+                    self._compile_train(inputs, (self._signature(inputs), mode_key(model)))
+                else:
+                    self._compile(inputs, self._signature(inputs))
 
     # ------------------------------------------------------------------ copies
     def __getstate__(self) -> dict[str, Any]:
@@ -121,13 +129,38 @@ class OptimizedModule(nn.Module):
         # partly sharing memory with) this module's weights must not serve it, so it builds
         # its own on its first call.
         state = self.__getstate__()
-        for key in ("_plans", "_latest", "_weights"):
+        for key in ("_plans", "_latest", "_weights", "_train_plans", "_train_weights"):
             state.pop(key, None)
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         clone.__setstate__(copy.deepcopy(state, memo))
         clone._plans, clone._latest, clone._weights = {}, None, None
+        clone._train_plans, clone._train_weights = {}, None
         return clone
+
+    # ------------------------------------------------------------------ modes
+    def train(self, mode: bool = True) -> OptimizedModule:
+        """Switch this module and the original model to training (or, ``False``, eval)
+        mode; each mode runs plans of its own."""
+        nn.Module.train(self, mode)
+        self._original.train(mode)
+        return self
+
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Any:
+        """This module, then the original model's modules under the names they have there,
+        so that ``parameters()``, ``named_parameters()`` and ``buffers()`` are the user's own
+        tensors (an optimizer over ``optimized.parameters()``, ``zero_grad()``,
+        ``DistributedDataParallel``). The original is still no child: ``.to()``/``.half()``
+        on this module never reach it, and ``state_dict()`` stays the original's to keep."""
+        if memo is None:
+            memo = set()
+        if self not in memo or not remove_duplicate:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
+        yield from self._original.named_modules(memo, prefix, remove_duplicate)
 
     @property
     def original(self) -> nn.Module:
@@ -191,6 +224,7 @@ class OptimizedModule(nn.Module):
         """
         with self._compile_lock:
             self._forget_plans("refresh()")
+            self._train_plans, self._train_weights = {}, None
 
     # ------------------------------------------------------------------ calling
     @staticmethod
@@ -210,8 +244,8 @@ class OptimizedModule(nn.Module):
         except AttributeError:
             self._check_types(inputs)
             raise
-        if self._original.training:  # the plans compute inference semantics
-            self._refuse_training()
+        if self._original.training:  # the inference plans compute eval semantics
+            return self._forward_train(inputs, (sig, mode_key(self._original)))
         weights = self._weights
         if weights is not None and not weights.current():
             self._revalidate()
@@ -262,11 +296,98 @@ class OptimizedModule(nn.Module):
             self._runs_as_original(inputs, sig, reason)
         return self._original(*inputs)
 
-    def _refuse_training(self) -> None:
-        raise TrainingModeError(
-            f"{type(self._original).__name__} is in training mode; training is not yet "
-            "supported. Call model.eval() before running the optimized model"
+    # ------------------------------------------------------------------ training
+    def _forward_train(self, inputs: Sequence[torch.Tensor], key: tuple) -> Any:
+        """A call in training mode: the signature's training plan (outputs with autograd
+        history over the user's own parameters), built on first use."""
+        if self._train_weights is not None and self._train_weights.epoch != registrations():
+            self._check_train_weights()
+        entry = self._train_plans.get(key)
+        if entry is None:
+            self._check_types(inputs)
+            with _GLOBAL_COMPILE_LOCK, self._compile_lock:
+                entry = self._train_plans.get(key)
+                if entry is None:
+                    entry = self._compile_train(inputs, key)
+        self.__dict__["_latest"] = entry
+        if entry.plan is None:
+            return self._original(*inputs)
+        try:
+            return entry.plan.run(inputs)
+        except Exception as e:  # noqa: BLE001 - a plan bug must not reach the user
+            if isinstance(e, MiddlewareError) or self.options.strict:
+                raise
+            reason = self._internal_failure(
+                f"the training plan failed while running ({first_line(e)}); this input "
+                "signature trains as the original PyTorch code",
+                e,
+                stacklevel=3,
+            )
+            with self._compile_lock:
+                self._train_plans[key] = self._original_entry(reason)
+            return self._original(*inputs)
+
+    def _compile_train(self, inputs: Sequence[torch.Tensor], key: tuple) -> Compiled:
+        """Build (and cache) the training plan of ``key``; where none can be built the
+        signature trains as the original model, the reason in report()."""
+        device = torch.device(self.options.device)
+        for i, x in enumerate(inputs):
+            if x.device.type != device.type:
+                raise InputTypeError(
+                    f"input {i} is on {x.device} but the model was optimized for "
+                    f"device={self.options.device!r}; move the input with .to('{device}')"
+                )
+        reason = unsupported_inputs(inputs)
+        entry: Compiled | None = None
+        if reason is None:
+            try:
+                graph, plan, report = compile_training(self._original, inputs, self.options)
+                entry = Compiled(graph, plan, report)  # type: ignore[arg-type]
+            except UnsupportedError as e:
+                if self.options.strict:
+                    raise
+                reason = str(e)
+            except MiddlewareError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a compiler crash must never reach the user
+                reason = self._internal_failure(
+                    f"the compiler failed on this input signature in training mode "
+                    f"({first_line(e)}); it trains as the original PyTorch code",
+                    e,
+                    stacklevel=4,
+                )
+        if entry is None:
+            entry = self._original_entry(reason or "")
+        if self._specs is None:
+            self._specs = [InputSpec.of(x) for x in inputs]
+        if self._train_weights is None:
+            self._train_weights = WeightSnapshot.take(self._original)
+        self._train_plans[key] = entry
+        self._latest = entry
+        return entry
+
+    def _original_entry(self, reason: str) -> Compiled:
+        return Compiled(
+            None,
+            None,
+            self._model_report(reason, "this input signature trains as the original model"),
         )
+
+    def _check_train_weights(self) -> None:
+        """Some module registered a tensor: drop the training plans if the original's
+        parameters or buffers are other objects now (an in-place write needs nothing)."""
+        with self._compile_lock:
+            old = self._train_weights
+            if old is None or old.epoch == registrations():
+                return
+            now = WeightSnapshot.take(self._original)
+            same = old.names == now.names and all(
+                a is b for a, b in zip(old.tensors, now.tensors, strict=True)
+            )
+            if same:
+                self._train_weights = now
+            else:
+                self._train_plans, self._train_weights = {}, None
 
     def _revalidate(self) -> None:
         """The per-call check failed: drop the plans if a tensor really changed (the check
@@ -297,8 +418,6 @@ class OptimizedModule(nn.Module):
         """Build (and cache) this signature's plan: (the entry, or None when the whole model
         falls back; the model's output when building it had to run the model, else _NOT_RUN).
         Called under the process-wide compile lock (and the module's, after __init__)."""
-        if self._original.training:  # switched back to training after optimize()
-            self._refuse_training()
         device = torch.device(self.options.device)
         for i, x in enumerate(inputs):
             if x.device.type != device.type:

@@ -25,6 +25,11 @@ def _count_registration(*_: Any) -> None:
     _registrations[0] += 1
 
 
+def registrations() -> int:
+    """How many parameters, buffers and submodules have been registered in this process."""
+    return _registrations[0]
+
+
 def install_registration_hooks() -> None:
     """Count every registration of a parameter, buffer or submodule (once per process)."""
     global _hooks_installed

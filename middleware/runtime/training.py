@@ -1,0 +1,396 @@
+"""Training plans: the optimized module in train mode, with autograd through every step.
+
+A training plan (:class:`TrainingPlan`) is the inference pipeline's graph run as a sequence
+of steps over fresh framework tensors (no buffer arena: autograd keeps what it saves), on
+the user's own parameters and buffers (no copies, no batch-norm folding, no prepacked or
+transformed weights), so that ``loss.backward()`` fills the model's ``.grad`` and an
+optimizer's in-place updates are what the next step reads.
+
+- Each generated io group (``backends/cpu/units.fusion_units``) is one
+  :class:`torch.autograd.Function` (:class:`FusedGroup`): its forward is the generated
+  depth-first kernel, it saves only the group's inputs, and its backward recomputes the
+  group's intermediates from them with the nodes' catalogue implementations and
+  differentiates them (``torch.autograd.grad``): recomputation instead of storing.
+- Convolutions, matrix products and every other node run through their catalogue
+  implementations (PyTorch's functional ops), whose backward is the framework's.
+- Batch-norm in training mode and dropout are the frontend's ``fallback`` nodes: the user's
+  own module is called, so batch statistics, running statistics (momentum, cumulative
+  average, ``num_batches_tracked``) and the random stream are PyTorch's, in eager order.
+
+``compile_training`` builds one for a model in train mode; a model it cannot build one for
+runs as the original (with autograd), the reason in ``report()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..backends import backend_for
+from ..backends.cpu.units import fusion_units
+from ..backends.interface import node_step, to_tensor
+from ..enums import RunsAs
+from ..errors import UnsupportedError
+from ..frontends import trace
+from ..graph import PARAM_SOURCES, Graph, map_tree
+from ..hardware import for_options
+from ..ops import get_op
+from ..options import Options
+from ..passes import run_passes
+from .plan import Step
+from .report import Report, make_report
+
+# Passes that replace the user's weights by derived copies (batch-norm folded into the
+# convolution's weight and bias; a post-op fused into the vendor call): a gradient must
+# reach the parameters themselves, so a training plan runs without them.
+TRAINING_DISABLED_PASSES = ("fold_batchnorm", "fuse_vendor_epilogue")
+
+# Frontend fallback reasons that mean "the framework's own training-mode layer" (the
+# module rules refuse them for inference): reported as framework calls, not fallbacks.
+_TRAINING_LAYERS = {
+    "batch-norm in training mode": "batch statistics through PyTorch (the model's own "
+    "module: running statistics updated on its buffers)",
+    "batch_norm with training=True": "batch statistics through PyTorch (F.batch_norm on the "
+    "model's buffers)",
+    "dropout in training mode": "dropout through PyTorch's random stream (the model's own module)",
+    "dropout with training=True": "dropout through PyTorch's random stream (F.dropout)",
+}
+
+
+class _GroupFunction(torch.autograd.Function):
+    """One fused group: forward = the generated kernel, backward = recompute + autograd."""
+
+    @staticmethod
+    def forward(ctx: Any, group: FusedGroup, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.group = group
+        ctx.save_for_backward(*inputs)
+        return group.kernel(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        group: FusedGroup = ctx.group
+        need = ctx.needs_input_grad[1:]
+        return (None, *group.input_grads(ctx.saved_tensors, need, grads))
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGroup:
+    """A generated io group as an autograd function over its inputs (values and weights).
+
+    ``kernel``: the generated kernel (inputs -> a fresh output tensor); ``nodes``: the
+    group's nodes as (catalogue implementation, input names, output names), in order, to
+    recompute its intermediates in the backward pass."""
+
+    name: str
+    kernel: Callable[..., torch.Tensor]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    nodes: tuple[tuple[Callable[..., Any], tuple[str, ...], tuple[str, ...]], ...]
+
+    @staticmethod
+    def of(graph: Graph, name: str, kernel: Callable[..., Any], inputs, outputs, nodes):  # noqa: ANN001, ANN205
+        steps = tuple(
+            (
+                get_op(graph.node(n).op).bind(graph.node(n)),
+                graph.node(n).inputs,
+                graph.node(n).outputs,
+            )
+            for n in nodes
+        )
+        return FusedGroup(name, kernel, tuple(inputs), tuple(outputs), steps)
+
+    def __call__(self, *xs: torch.Tensor) -> Any:
+        if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+            return _GroupFunction.apply(self, *xs)
+        return self.kernel(*xs)
+
+    def recompute(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The group's outputs from its inputs through the catalogue implementations."""
+        env = dict(zip(self.inputs, xs, strict=True))
+        for fn, ins, outs in self.nodes:
+            r = fn(*[env[i] for i in ins])
+            if len(outs) == 1:
+                env[outs[0]] = r
+            else:
+                env.update(zip(outs, r, strict=True))
+        return [env[o] for o in self.outputs]
+
+    def input_grads(
+        self,
+        saved: Sequence[torch.Tensor],
+        need: Sequence[bool],
+        grads: Sequence[torch.Tensor | None],
+    ) -> list[torch.Tensor | None]:
+        """Gradients of the inputs ``need`` marks, recomputing the intermediates."""
+        with torch.enable_grad():
+            xs = [x.detach().requires_grad_(n) for x, n in zip(saved, need, strict=True)]
+            outs = self.recompute(xs)
+        pairs = [
+            (o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad
+        ]
+        wrt = [x for x, n in zip(xs, need, strict=True) if n]
+        if not pairs or not wrt:
+            return [None] * len(xs)
+        got = iter(
+            torch.autograd.grad(
+                [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+            )
+        )
+        return [next(got) if n else None for n in need]
+
+
+class TrainingPlan:
+    """Steps over value slots, each a framework call recorded by autograd (no arena).
+
+    ``run`` takes the input tensors and returns the output structure; the weights are the
+    user's own tensors, read at every call."""
+
+    notes: tuple[str, ...] = ()
+    consumes_inputs = False
+    memory = None
+    arena_bytes = 0
+
+    def __init__(
+        self,
+        graph: Graph,
+        steps: list[Step],
+        slot_of: dict[str, int],
+        constants: dict[int, torch.Tensor],
+        state_buffers: Sequence[torch.Tensor],
+    ) -> None:
+        self.graph = graph
+        self.steps = steps
+        self.slot_of = slot_of
+        self.input_slots = tuple(slot_of[v] for v in graph.inputs)
+        template: list[Any] = [None] * len(slot_of)
+        for s, t in constants.items():
+            template[s] = t
+        self._template = template
+        self._program = [(st.fn, st.ins, st.outs, len(st.outs) > 1, st.frees) for st in steps]
+        self._out_tree = graph.output_tree
+        # the buffers a step updates in place (batch-norm running statistics), put back when
+        # a run fails half-way so that running the original instead updates them once
+        self.state_buffers = tuple(state_buffers)
+
+    def arenas(self) -> list[torch.Tensor]:
+        return []
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return [t for t in self._template if isinstance(t, torch.Tensor)]
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> Any:
+        saved = [b.clone() for b in self.state_buffers]
+        try:
+            return self._run(inputs)
+        except Exception:
+            with torch.no_grad():
+                for b, old in zip(self.state_buffers, saved, strict=True):
+                    b.copy_(old)
+            raise
+
+    def _run(self, inputs: Sequence[torch.Tensor]) -> Any:
+        env = list(self._template)
+        for s, x in zip(self.input_slots, inputs, strict=True):
+            env[s] = x
+        for fn, ins, outs, multi, frees in self._program:
+            r = fn(*[env[i] for i in ins])
+            if multi:
+                for o, v in zip(outs, r, strict=True):
+                    env[o] = v
+            else:
+                env[outs[0]] = r
+            for f in frees:
+                env[f] = None
+        slot_of = self.slot_of
+        return map_tree(self._out_tree, lambda name: env[slot_of[name]])
+
+
+def training_options(options: Options) -> Options:
+    """``options`` as a training plan uses them: no pass that derives weights, no batch
+    slicing (a slice's backward would need the whole batch's statistics), no buffer plan."""
+    disabled = tuple(dict.fromkeys((*options.disable_passes, *TRAINING_DISABLED_PASSES)))
+    return dataclasses.replace(
+        options, disable_passes=disabled, batch_chunk=0, plan_memory=False, winograd=False
+    )
+
+
+def mode_key(model: nn.Module) -> tuple[bool, ...]:
+    """The training flags of every submodule: a plan is traced for one combination."""
+    return tuple(m.training for m in model.modules())
+
+
+def compile_training(
+    model: nn.Module, inputs: Sequence[torch.Tensor], options: Options
+) -> tuple[Graph, TrainingPlan, Report]:
+    """Trace ``model`` (in train mode) on ``inputs`` and build its training plan.
+
+    Raises :class:`UnsupportedError` (the reason for ``report()``) where a training plan
+    cannot be built: a device other than the CPU, or a parameter that needs a gradient and
+    that a pass replaced by a derived copy."""
+    device = torch.device(options.device)
+    if device.type != "cpu":
+        raise UnsupportedError(
+            f"training plans run on the CPU only so far (device={options.device!r}); the "
+            "model trains as the original PyTorch code"
+        )
+    options = training_options(options)
+    graph = _trace_keeping_state(model, inputs)
+    traced_params = dict(graph.params)
+    backend = backend_for(device)
+    hardware = for_options(options)
+    stateful = [n.name for n in graph.nodes() if n.op == "fallback"]
+    graph = run_passes(graph, options, hardware)
+    dropped = sorted(set(stateful) - {n.name for n in graph.nodes()})
+    if dropped:
+        raise UnsupportedError(
+            f"forward() calls {', '.join(dropped[:3])} without using the result; the passes "
+            "drop such calls, and in training mode they may update state (running "
+            "statistics, the random stream), so the model trains as the original PyTorch code"
+        )
+    constants, owned, grads_lost = _bind_weights(model, graph, traced_params, device)
+    if grads_lost:
+        raise UnsupportedError(
+            f"the passes replaced parameter(s) {', '.join(grads_lost[:3])} that need a "
+            "gradient by derived copies; the model trains as the original PyTorch code"
+        )
+    why: dict[str, str] = {}
+    fused = {}
+    if options.fuse:
+        fused, failed = fusion_units(backend, graph, options, hardware, why)
+        why.update(failed)
+    plan = _assemble(graph, fused, why, constants, owned, device)
+    return graph, plan, make_report(graph, plan, hardware)
+
+
+def _trace_keeping_state(model: nn.Module, inputs: Sequence[torch.Tensor]) -> Graph:
+    """Trace with the model's buffers and the random stream put back afterwards: tracing a
+    training-mode batch-norm counts a batch (``num_batches_tracked``) and a dropout may
+    draw, and the first step must start from exactly the state eager PyTorch would."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    rng = torch.random.get_rng_state()
+    try:
+        return trace(model, inputs)
+    finally:
+        torch.random.set_rng_state(rng)
+        with torch.no_grad():
+            for b, old in saved:
+                if not torch.equal(b, old):
+                    b.copy_(old)
+
+
+def _bind_weights(
+    model: nn.Module, graph: Graph, traced: dict[str, Any], device: torch.device
+) -> tuple[dict[str, torch.Tensor], set[str], list[str]]:
+    """Each graph constant as the tensor a training step reads: the user's own parameter
+    or buffer where the graph still holds what the frontend read from it, else a copy;
+    the names bound to the user's tensors; the parameters needing a gradient that no step
+    reads any more."""
+    own = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        try:
+            own.setdefault((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype), t)
+        except RuntimeError:  # no plain storage
+            continue
+    sources = graph.meta.get(PARAM_SOURCES, {})
+
+    def users(name: str) -> torch.Tensor | None:
+        src = sources.get(name)
+        if src is None:
+            return None
+        t = src[1]
+        return own.get((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype))
+
+    constants: dict[str, torch.Tensor] = {}
+    owned: set[str] = set()
+    for name, arr in graph.params.items():
+        user = users(name)
+        if user is not None and sources[name][0] is arr:
+            constants[name] = user
+            owned.add(name)
+        else:
+            constants[name] = to_tensor(arr, device, graph.values[name].layout)
+    needed = {id(t): name for name in traced if (t := users(name)) is not None and t.requires_grad}
+    kept = {id(t) for t in constants.values()}
+    return constants, owned, sorted(n for i, n in needed.items() if i not in kept)
+
+
+def _assemble(
+    graph: Graph,
+    fused: dict[str, Any],
+    why: dict[str, str],
+    constants: dict[str, torch.Tensor],
+    owned: set[str],
+    device: torch.device,
+) -> TrainingPlan:
+    slot_of: dict[str, int] = {}
+
+    def slot(v: str) -> int:
+        return slot_of.setdefault(v, len(slot_of))
+
+    for v in graph.inputs:
+        slot(v)
+    const_slots = {slot(name): t for name, t in constants.items()}
+    units: list[
+        tuple[str, RunsAs, Callable[..., Any], Sequence[str], Sequence[str], tuple, str]
+    ] = []
+    state: list[torch.Tensor] = []
+    for key, u in list(fused.items()):
+        baked = [
+            v
+            for name in u.nodes
+            for v in graph.node(name).inputs
+            if v in owned and v not in u.inputs
+        ]
+        if baked:  # the kernel holds their values as of this build: stale after a step
+            del fused[key]
+            for name in u.nodes:
+                why[name] = (
+                    f"its group's generated kernel holds {', '.join(sorted(set(baked)))} as "
+                    "constants; a training step must read the model's current tensors"
+                )
+    covered = {n for u in fused.values() for n in u.nodes}
+    for n in graph.nodes():
+        if n.name in fused:
+            u = fused[n.name]
+            group = FusedGroup.of(graph, u.name, u.fn, u.inputs, u.outputs, u.nodes)
+            units.append((u.name, RunsAs.GENERATED, group, u.inputs, u.outputs, tuple(u.nodes), ""))
+            continue
+        if n.name in covered:
+            continue
+        runs_as, fn, reason = node_step(graph, n, device)
+        if n.op == "fallback":
+            if isinstance(n.payload, nn.Module):
+                state += list(n.payload.buffers())
+            framework = _TRAINING_LAYERS.get(str(n.attrs.get("reason", "")))
+            if framework is not None:
+                runs_as, reason = RunsAs.VENDOR, framework
+        elif not reason:
+            reason = why.get(n.name, "")
+        units.append((n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason))
+    keep = set(graph.inputs) | set(graph.params) | set(graph.output_values())
+    last_use: dict[str, int] = {}
+    for i, u in enumerate(units):
+        for v in u[3]:
+            last_use[v] = i
+    steps = []
+    for i, (name, runs_as, fn, ins, outs, nodes, reason) in enumerate(units):
+        frees = tuple(slot(v) for v, j in last_use.items() if j == i and v not in keep)
+        steps.append(
+            Step(
+                name,
+                runs_as,
+                fn,
+                tuple(slot(v) for v in ins),
+                tuple(slot(v) for v in outs),
+                nodes,
+                frees,
+                reason,
+            )
+        )
+    for v in graph.output_values():
+        slot(v)
+    return TrainingPlan(graph, steps, slot_of, const_slots, state)
