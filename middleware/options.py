@@ -86,6 +86,10 @@ class Options:
     # beyond the vendor call's: Algorithm.extra_bytes): an algorithm above it is not used
     # for that layer (named, autotuned or by the default's rule); None: no cap.
     max_extra_bytes: int | None = None
+    # Seconds of candidate timing one optimize() compile may spend autotuning
+    # (algorithms="autotune"); once spent, the remaining layers take a stored decision where
+    # one exists, else the default, and report() says so. None: no cap.
+    tune_budget_s: float | None = 60.0
     # On CUDA, a plan replays as one CUDA graph (captured on its first call): no launch
     # overhead per step. "auto": captured, then timed against running step by step (a
     # replay copies its inputs and clones its outputs) and kept only where faster; True
@@ -103,6 +107,13 @@ class Options:
         # frozen: the checked, hashable form of the pin replaces what was passed
         object.__setattr__(self, "hardware", hardware_pin(self.hardware))
         object.__setattr__(self, "algorithms", selection_pairs(self.algorithms))
+        if self.tune_budget_s is not None and not (
+            isinstance(self.tune_budget_s, (int, float)) and self.tune_budget_s >= 0
+        ):
+            raise OptionsError(
+                f"tune_budget_s={self.tune_budget_s!r}: give the seconds autotuning may "
+                "spend (a number >= 0), or None for no cap"
+            )
         if self.cuda_graphs not in (True, False, "auto"):
             raise OptionsError(
                 f"cuda_graphs={self.cuda_graphs!r}: use True (always replay the plan as one "

@@ -21,6 +21,7 @@ import middleware
 from middleware.__main__ import main
 from middleware.backends.vendor import algorithms as alg
 from middleware.backends.vendor import tuning
+from middleware.options import Options
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_TIMES = {"im2col_gemm": 1.0, "vendor": 2.0, "winograd_f4x4": 10.0}
@@ -345,3 +346,75 @@ def test_auto_falls_back_to_the_default_rule_within_the_memory_cap(monkeypatch, 
     capped = Options(cache_dir=tmp_path, algorithms={"conv2d": "auto"}, max_extra_bytes=0)
     choice = alg.choose(g, node, cpu, capped, hardware())
     assert choice.algorithm == "vendor" and choice.reason.endswith("the default rule: vendor")
+
+
+@pytest.fixture
+def wrong_but_exact():
+    """A user algorithm that claims to be exact and is 1% off: tuning must never pick it."""
+
+    def scaled(x, weight, bias, stride, padding, dilation, groups):
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups) * 1.01
+
+    middleware.register_algorithm("conv2d", "wrong", scaled, description="claims exact")
+    yield
+    middleware.unregister_algorithm("conv2d", "wrong")
+
+
+def test_an_exact_candidate_that_disagrees_with_the_vendor_is_rejected(
+    monkeypatch, tmp_path, wrong_but_exact
+):
+    monkeypatch.setattr(tuning, "TIMER", lambda name, run: 0.1 if name == "wrong" else 1.0)
+    rows = _optimize(tmp_path)  # compares with the original: "wrong" never ran
+    assert "wrong" not in {r.algorithm for r in rows}
+    assert all("wrong rejected (error 1.0e-02 of scale)" in r.reason for r in rows)
+
+
+def test_the_tuning_budget_stops_timing_and_the_rest_take_the_default(monkeypatch, tmp_path):
+    timed = []
+
+    def slow_timer(name, run):
+        run()
+        timed.append(name)
+        return 1.0
+
+    clock = [0.0]
+
+    def fake_clock():  # every call of perf_counter advances 0.2 s
+        clock[0] += 0.2
+        return clock[0]
+
+    monkeypatch.setattr(tuning, "TIMER", slow_timer)
+    monkeypatch.setattr(alg.time, "perf_counter", fake_clock)
+    m = _ns["make"]()
+    x = torch.randn(2, 3, 12, 10)
+    opt = middleware.optimize(
+        m, example_inputs=[x], cache_dir=tmp_path, measure_hardware=False,
+        algorithms={"conv2d": "autotune"}, tune_budget_s=0.1,
+    )  # fmt: skip
+    with torch.inference_mode():
+        _close(opt(x), m(x))
+    rows = [r for r in opt.report().rows if r.op == "conv2d"]
+    assert rows[0].reason.startswith("tuned: ")  # the first layer spends the budget
+    for r in rows[1:]:
+        assert "not tuned: the tuning budget (tune_budget_s=0.1) was spent" in r.reason
+        assert r.algorithm in ("vendor", "winograd_f4x4")
+    stored = json.loads((tmp_path / "tuning" / "decisions.json").read_text())
+    assert len(stored) == 1  # only the tuned layer's decision is kept
+    with pytest.raises(middleware.OptionsError, match="tune_budget_s=-1"):
+        middleware.optimize(m, cache_dir=tmp_path, tune_budget_s=-1)
+
+
+def test_the_session_counts_the_layers_to_tune(tmp_path):
+    from fusion_helpers import conv_graph
+
+    g, _ = conv_graph((1, 3, 8, 8), (4, 3, 3, 3), "nhwc", padding=1)
+    opts = Options(cache_dir=tmp_path, algorithms={"conv2d": "autotune"})
+    assert alg._layers_to_tune(g, opts) == 1
+    assert alg._layers_to_tune(g, Options(algorithms={"conv2d": ["autotune"]})) == 1
+    assert alg._layers_to_tune(g, Options(algorithms={"conv2d": ["vendor"]})) == 0
+    assert alg._layers_to_tune(g, Options(algorithms={"conv2d": lambda layer: "autotune"})) == 0
+    s = tuning.Session(budget_s=1.0, layers=2)
+    s.tuned(0.6, "a")
+    assert not s.over_budget()
+    s.tuned(0.6, "b")
+    assert s.over_budget() and s.done == 2

@@ -43,7 +43,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import math
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -632,6 +634,24 @@ def _candidates(graph: Graph, node: Node, device: torch.device, options: Options
     return [n for n, a in table.items() if _usable(a, graph, node, device, options) is None]
 
 
+# An exact candidate's largest tolerated difference from the vendor call on the tuning
+# input, relative to the output's scale (float rounding of reordered sums).
+EXACT_TOLERANCE = 1e-4
+
+
+def _layers_to_tune(graph: Graph, options: Options) -> int:
+    """The layers of ``graph`` that ``options.algorithms`` sends to autotuning (for the
+    progress bar; 0 where a callable selects: it is not asked twice per layer)."""
+    count = 0
+    for op, sel in options.algorithms or ():
+        n_layers = len(layer_indices(graph, op))
+        if sel == AUTOTUNE:
+            count += n_layers
+        elif isinstance(sel, tuple) and len(sel) == n_layers:
+            count += sum(name == AUTOTUNE for name in sel)
+    return count
+
+
 def auto_choice(
     graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
 ) -> Choice | None:
@@ -674,11 +694,25 @@ def tuned_choice(
     key = tuning.decision_key(problem_of(graph, node), names, hardware.key())
     store = tuning.DecisionStore(options.cache_dir)
     record, whence = store.get(key)
+    sess = tuning.session(graph, options.tune_budget_s, lambda: _layers_to_tune(graph, options))
     if record is not None and record["algorithm"] in names:
         fn = table[record["algorithm"]].build(graph, node, device, options, hardware)
         if fn is not None:
+            sess.tuned(0.0, node.name)
             how = "cached" if whence == "cached" else "same problem tuned before"
             return Choice(fn, record["algorithm"], f"tuned: {how}; {record['summary']}")
+    if sess.over_budget():
+        sess.tuned(0.0, node.name)
+        fallback = default_choice(graph, node, device, options, hardware)
+        if fallback is None:
+            return None
+        note = (
+            f"not tuned: the tuning budget (tune_budget_s={options.tune_budget_s:g}) was "
+            f"spent after {sess.done - 1} layer(s); the default runs"
+        )
+        reason = f"{fallback.reason}; {note}" if fallback.reason else note
+        return Choice(fallback.fn, fallback.algorithm, reason)
+    started = time.perf_counter()
     built = {}
     for n in names:
         fn = table[n].build(graph, node, device, options, hardware)
@@ -688,16 +722,32 @@ def tuned_choice(
         return default_choice(graph, node, device, options, hardware)
     args = _tuning_inputs(graph, node, device)
     rejected = []
-    if any(not table[n].exact for n in built):
-        with torch.inference_mode():
-            ref_fn = built.get(VENDOR.name) or get_op(node.op).bind(node)
-            ref = ref_fn(*args)
-            scale = max(float(ref.abs().max()), 1e-30)
-            for n in [n for n in built if not table[n].exact]:
-                err = float((built[n](*args) - ref).abs().max()) / scale
-                if not err <= float(table[n].error_bound or 0.0):
-                    rejected.append(f"{n} rejected (error {err:.1e} of scale)")
-                    del built[n]
+    # Every candidate's result against the vendor call's (the catalogue reference where
+    # there is none) on the tuning input: an exact one within float rounding, an
+    # approximate one within its error bound; a wrong one never wins.
+    with torch.inference_mode():
+        ref_fn = built.get(VENDOR.name) or get_op(node.op).bind(node)
+        ref = ref_fn(*args)
+        scale = max(float(ref.abs().max()), 1e-30)
+        for n in [n for n in built if n != VENDOR.name]:
+            bound = EXACT_TOLERANCE if table[n].exact else float(table[n].error_bound or 0.0)
+            try:
+                y = built[n](*args)
+                err = float((y - ref).abs().max()) / scale if y.shape == ref.shape else math.inf
+            except Exception as e:  # a user's algorithm that raises is not a candidate
+                rejected.append(f"{n} rejected (raised {type(e).__name__}: {e})")
+                del built[n]
+                continue
+            if not err <= bound:
+                rejected.append(f"{n} rejected (error {err:.1e} of scale)")
+                del built[n]
+    if not built:
+        sess.tuned(time.perf_counter() - started, node.name)
+        fallback = default_choice(graph, node, device, options, hardware)
+        if fallback is None:
+            return None
+        note = "tuned: every candidate rejected: " + ", ".join(rejected)
+        return Choice(fallback.fn, fallback.algorithm, note)
 
     def call(fn: Kernel) -> Callable[[], Any]:
         def run() -> Any:
@@ -707,6 +757,7 @@ def tuned_choice(
         return run
 
     outcome = tuning.best_of({n: call(fn) for n, fn in built.items()})
+    sess.tuned(time.perf_counter() - started, node.name)
     times = ", ".join(
         f"{n} {t * 1e3:.3g} ms"
         + (f" (pruned after round {outcome.pruned[n]})" if n in outcome.pruned else "")

@@ -11,6 +11,10 @@ set, the hardware description (``Hardware.key()``) and the package version; writ
 atomically (a temporary file and ``os.replace``) after merging what another process wrote
 meanwhile, and memoised in this process (:func:`clear_memo` forgets the memo), so that
 identical problem sizes are tuned once and a second process times nothing.
+
+:class:`Session`: one graph's tuning, timed against ``Options.tune_budget_s`` (once spent,
+the remaining layers take a stored decision or the default, and say so), with a progress
+bar over the layers to tune.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -106,6 +111,52 @@ def decision_key(problem: Mapping[str, Any], candidates: list[str], hardware_key
         default=str,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+class Session:
+    """The tuning of one graph (one ``optimize()`` compile): seconds spent timing against
+    ``budget_s`` (None: no cap), and a progress bar over the layers left to tune (shown
+    where more than ``PROGRESS_AFTER`` layers are tuned)."""
+
+    def __init__(self, budget_s: float | None, layers: int) -> None:
+        self.budget_s = budget_s
+        self.spent_s = 0.0
+        self.layers = layers
+        self.done = 0
+        self._bar: Any = None
+
+    def over_budget(self) -> bool:
+        return self.budget_s is not None and self.spent_s >= self.budget_s
+
+    def tuned(self, seconds: float, label: str) -> None:
+        """One layer done (``seconds`` of it spent timing; 0 where nothing was timed)."""
+        self.spent_s += seconds
+        self.done += 1
+        if self._bar is None and self.layers > PROGRESS_AFTER and self.done < self.layers:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.layers, desc="tuning layers", unit="layer", leave=False)
+            self._bar.update(self.done - 1)
+        if self._bar is not None:
+            self._bar.set_postfix_str(label, refresh=False)
+            self._bar.update(1)
+            if self.done >= self.layers:
+                self._bar.close()
+                self._bar = None
+
+
+PROGRESS_AFTER = 3
+_SESSIONS: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()
+
+
+def session(graph: Any, budget_s: float | None, count_layers: Callable[[], int]) -> Session:
+    """The tuning session of ``graph`` (created on its first tuned layer; it lives as long
+    as the graph object)."""
+    with _LOCK:
+        s = _SESSIONS.get(graph)
+        if s is None:
+            s = _SESSIONS[graph] = Session(budget_s, count_layers())
+        return s
 
 
 _MEMO: dict[tuple[str, str], dict[str, Any]] = {}
