@@ -1,5 +1,6 @@
 """Registry entries of the window and reduction ops: pooling (max, average, adaptive,
-max-pool with a merged activation), mean, softmax, log_softmax and layer_norm."""
+max-pool with a merged activation), mean, softmax, log_softmax, layer_norm and group_norm,
+and the resampling ``interpolate`` (nearest and bilinear)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,66 @@ register(
         flops_per_elem=8.0,
         per_sample=True,
         weight_inputs=frozenset({1, 2}),
+    )
+)
+
+
+def _group_norm(node: Node) -> Kernel:
+    """F.group_norm over ``num_groups`` groups of channels (dim 1); weight and bias as
+    inputs after the value where the node has them (``affine`` as for layer_norm)."""
+    groups, eps, affine = node.attrs["num_groups"], node.attrs["eps"], node.attrs["affine"]
+
+    def group_norm(x, *wb):
+        it = iter(wb)
+        w = next(it) if "weight" in affine else None
+        b = next(it) if "bias" in affine else None
+        return F.group_norm(x, groups, w, b, eps)
+
+    return group_norm
+
+
+# ATen's kernel, a graph node like layer_norm; each sample is normalized on its own
+register(
+    OpDef(
+        "group_norm",
+        Bound.IO,
+        _group_norm,
+        flops_per_elem=8.0,
+        per_sample=True,
+        weight_inputs=frozenset({1, 2}),
+    )
+)
+
+
+def _interpolate(node: Node) -> Kernel:
+    """F.interpolate with the call's own arguments (``size`` or ``scale_factor`` as given:
+    nearest with a scale factor maps coordinates by the factor, not by the sizes)."""
+    a = node.attrs
+    size, scale, mode = a["size"], a["scale_factor"], a["mode"]
+    align, recompute = a["align_corners"], a["recompute_scale_factor"]
+
+    def interpolate(x):
+        return F.interpolate(
+            x,
+            size=size,
+            scale_factor=scale,
+            mode=mode,
+            align_corners=align,
+            recompute_scale_factor=recompute,
+        )
+
+    return interpolate
+
+
+# nearest, nearest-exact, bilinear, bicubic (antialias off) on 4-d values: each output
+# element reads a few input elements of its own sample and channel
+register(
+    OpDef(
+        "interpolate",
+        Bound.IO,
+        _interpolate,
+        flops_per_elem=4.0,
+        per_sample=True,
     )
 )
 

@@ -12,7 +12,9 @@ post-op spelling (for the vendor calls). Every other table is derived from the e
 
 The entries live in modules of one family each: ``op_layers`` (conv2d, linear, matmul),
 ``op_arith`` (batch_norm, add, sub, mul, div), ``op_activations``, ``op_reductions``
-(pooling, mean, softmax) and ``op_data`` (cat, views, to_layout, fallback). Importing
+(pooling, mean, softmax, layer/group norm, interpolate), ``op_data`` (cat, views,
+to_layout, fallback), ``op_shapes`` (slice, expand, repeat, roll, pad, take) and
+``op_attention`` (scaled_dot_product_attention). Importing
 this module imports all of them, so callers import the registry from here.
 
 How to add an elementwise op of one input (an activation), e.g. ``elu``:
@@ -37,7 +39,15 @@ several inputs gives ``loops`` a rule of ``middleware.loops`` instead of ``point
 
 from __future__ import annotations
 
-from . import op_activations, op_arith, op_data, op_layers, op_reductions
+from . import (
+    op_activations,
+    op_arith,
+    op_attention,
+    op_data,
+    op_layers,
+    op_reductions,
+    op_shapes,
+)
 from .enums import Bound
 from .op_data import ValueRef
 from .op_registry import (
@@ -59,7 +69,15 @@ from .op_registry import (
 )
 
 # the op families, imported for their registrations
-FAMILIES = (op_layers, op_arith, op_activations, op_reductions, op_data)
+FAMILIES = (
+    op_layers,
+    op_arith,
+    op_activations,
+    op_reductions,
+    op_data,
+    op_shapes,
+    op_attention,
+)
 
 __all__ = [
     "CATALOGUE",

@@ -35,7 +35,7 @@ class UnknownModule(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(3, 5, 3, padding=1)
         self.act = nn.CELU(alpha=0.7)
-        self.norm = nn.GroupNorm(1, 5)  # has parameters of its own
+        self.norm = nn.InstanceNorm2d(5, affine=True)  # has parameters of its own
         self.shuffle = nn.PixelShuffle(2)
 
     def forward(self, x):  # noqa: ANN001, ANN201
@@ -44,13 +44,13 @@ class UnknownModule(nn.Module):
 
 class UnknownFunction(nn.Module):
     def forward(self, x):  # noqa: ANN001, ANN201
-        y = F.interpolate(torch.relu(x), scale_factor=2, mode="nearest")
+        y = torch.cumsum(torch.relu(x), 3)
         return torch.exp(torch.clamp(y, min=-1.0, max=0.5)) + 1
 
 
 class UnknownMethod(nn.Module):
     def forward(self, x):  # noqa: ANN001, ANN201
-        y = x.relu().pow(2).unsqueeze(1).squeeze(1)
+        y = x.relu().pow(2).cumsum(1)
         values, _ = y.max(dim=1, keepdim=True)  # a multi-output fallback
         return y.sum(dim=(2, 3)), values - torch.max(x, 1).values.unsqueeze(1)
 
@@ -66,12 +66,12 @@ class UnknownMethod(nn.Module):
         (
             UnknownFunction,
             (2, 3, 5, 7),
-            {"interpolate": "interpolate", "clamp": "clamp", "exp": "exp"},
+            {"cumsum": "cumsum", "clamp": "clamp", "exp": "exp"},
         ),
         (
             UnknownMethod,
             (2, 3, 5, 7),
-            {"pow_1": "Tensor.pow", "unsqueeze": "Tensor.unsqueeze", "max_1": "Tensor.max"},
+            {"pow_1": "Tensor.pow", "cumsum": "Tensor.cumsum", "max_1": "Tensor.max"},
         ),
     ],
 )

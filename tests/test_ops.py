@@ -591,6 +591,46 @@ CASES: list[Case] = [
         [(3, 7)],
     ),
     ("layer-norm-torch", "layer_norm", lambda: Fn(lambda m, x: torch.layer_norm(x, [9])), [X]),
+    # ------------------------------------- indexing, repeating, resampling (op_shapes)
+    ("slice-getitem", "slice", lambda: Fn(lambda m, x: x[:, 1:4, ::2, 3]), [X]),
+    ("slice-ellipsis-new", "slice", lambda: Fn(lambda m, x: x[..., None, 1::3]), [X]),
+    ("slice-narrow", "slice", lambda: Fn(lambda m, x: x.narrow(2, 1, 4)), [X]),
+    ("slice-select", "slice", lambda: Fn(lambda m, x: torch.select(x, -1, 2)), [X]),
+    ("expand-method", "expand", lambda: Fn(lambda m, x: x.expand(3, 4, -1, -1)), [(3, 1, 7, 9)]),
+    ("repeat-method", "repeat", lambda: Fn(lambda m, x: x.repeat(1, 2, 1, 3)), [X]),
+    ("roll-torch", "roll", lambda: Fn(lambda m, x: torch.roll(x, (2, -3), (1, 2))), [X]),
+    ("pad-F", "pad", lambda: Fn(lambda m, x: F.pad(x, (1, 2, 0, 3), value=0.5)), [X]),
+    ("pad-F-reflect", "pad", lambda: Fn(lambda m, x: F.pad(x, (2, 1, 1, 2), "reflect")), [X]),
+    ("take-param-index", "take", lambda: Fn(lambda m, x: x[m.i], i=torch.tensor([2, 0, 2])), [X]),
+    (
+        "interpolate-bilinear",
+        "interpolate",
+        lambda: Fn(lambda m, x: F.interpolate(x, (11, 4), mode="bilinear")),
+        [X],
+    ),
+    (
+        "interpolate-nearest-scale",
+        "interpolate",
+        lambda: Fn(lambda m, x: F.interpolate(x, scale_factor=1.7)),
+        [X],
+    ),
+    ("group-norm-module", "group_norm", lambda: seq(nn.GroupNorm(5, 5)), [X]),
+    (
+        "group-norm-F",
+        "group_norm",
+        lambda: Fn(lambda m, x: F.group_norm(x, 2, m.w), w=torch.randn(4)),
+        [(3, 4, 5)],
+    ),
+    (
+        "sdpa-F",
+        "scaled_dot_product_attention",
+        lambda: Fn(
+            lambda m, q, k: F.scaled_dot_product_attention(q, k, m.v),
+            2,
+            v=torch.randn(2, 3, 7, 4),
+        ),
+        [(2, 3, 5, 8), (2, 3, 7, 8)],
+    ),
 ]
 
 

@@ -27,9 +27,15 @@ from ..graph import Graph
 from .function_rules import FUNCTION_RULES, METHOD_RULES, NOOP_FUNCTIONS
 from .lowering import Lowering, Rules
 from .module_rules import MODULE_RULES
+from .shape_rules import SHAPE_FUNCTION_RULES, SHAPE_METHOD_RULES, SHAPE_MODULE_RULES
 from .tracer import ValueTracer
 
-RULES = Rules(MODULE_RULES, FUNCTION_RULES, METHOD_RULES, NOOP_FUNCTIONS)
+RULES = Rules(
+    {**MODULE_RULES, **SHAPE_MODULE_RULES},
+    {**FUNCTION_RULES, **SHAPE_FUNCTION_RULES},
+    {**METHOD_RULES, **SHAPE_METHOD_RULES},
+    NOOP_FUNCTIONS,
+)
 
 
 def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> Graph:
