@@ -5,6 +5,7 @@ queries answer with concrete numbers (the graph is specialised to the input sign
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch.fx._symbolic_trace import _orig_module_call, _orig_module_getattr
 from ..errors import TraceError
 from ..graph import TensorType
 from ..ops import dtype_name
+from .decompositions import MODULE_DECOMPOSITIONS, traced_through
 
 _CONCRETE_ATTRS = frozenset(
     {
@@ -41,9 +43,11 @@ _CONCRETE_ATTRS = frozenset(
 
 
 class _ValueProxy(fx.Proxy):
-    """An fx proxy that also holds the concrete value its node produced."""
+    """An fx proxy that also holds the concrete value its node produced. ``constant``: the
+    value is a parameter or buffer of the model (real, never fake)."""
 
     value: Any = None
+    constant: bool = False
 
     def __getattr__(self, k: str) -> Any:
         if k in _CONCRETE_ATTRS and isinstance(self.value, torch.Tensor):
@@ -89,21 +93,88 @@ class ValueTracer(fx.Tracer):
             ]
         self._examples = list(example_inputs)
         self._next_input = 0
+        self._leaf_once: nn.Module | None = None  # a refused decomposition: one call
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _ValueProxy(node, self)
 
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if type(m) in MODULE_DECOMPOSITIONS:
+            return m is self._leaf_once  # call_module decides: decomposed, or one call
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        """A module of ``MODULE_DECOMPOSITIONS`` runs its traceable forward where it accepts
+        the call; anything else is fx's (a leaf is recorded as one call)."""
+        decomp = MODULE_DECOMPOSITIONS.get(type(m))
+        if decomp is None:
+            return super().call_module(m, forward, args, kwargs)
+        refusal, traceable = decomp
+        cargs = fx.node.map_aggregate(args, _concrete)
+        ckwargs = fx.node.map_aggregate(kwargs, _concrete)
+        if refusal(m, cargs, ckwargs) is None:
+
+            def decomposed(*a: Any, **k: Any) -> Any:
+                return traceable(m, *a, **k)
+
+            return super().call_module(m, decomposed, args, kwargs)
+        self._leaf_once = m
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        finally:
+            self._leaf_once = None
+
     def create_proxy(
         self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None
     ):  # noqa: ANN001 - fx's signature
+        if kind == "call_function" and traced_through(target):
+            # a torch.fx.wrap'ed function (see decompositions.py): record its body
+            out = target(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and not isinstance(out, fx.Proxy):
+                out = self._constant_proxy(out)  # its body folded to a constant
+            if isinstance(out, fx.Proxy):
+                return out
+            raise TraceError(f"{target.__qualname__} returned {type(out).__name__}, not a tensor")
+        if kind in ("call_function", "call_method") and _foldable(kind, target, args, kwargs):
+            return self._fold(kind, target, args, kwargs)
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         value = self._run(kind, target, args, kwargs)
         if isinstance(proxy, _ValueProxy):
             proxy.value = value
+            proxy.constant = kind == "get_attr" and isinstance(value, torch.Tensor)
         proxy.node.meta["mw_value"] = _describe(value)
         fields = getattr(value, "_fields", None) or getattr(value, "__match_args__", None)
         if isinstance(value, tuple) and fields:  # namedtuple or torch.return_types (.values)
             proxy.node.meta["mw_fields"] = tuple(fields)
+        return proxy
+
+    def _fold(self, kind: str, target: Any, args: Any, kwargs: Any) -> Any:
+        """Run a call on constants (see ``_foldable``) for real, now: its result is a
+        constant (fx records it as a tensor attribute where a traced call reads it). Never
+        a view of the model's own tensors (a later in-place write must not reach them)."""
+        cargs = fx.node.map_aggregate(args, _concrete)
+        ckwargs = fx.node.map_aggregate(kwargs, _concrete)
+        patched_call, patched_getattr = nn.Module.__call__, nn.Module.__getattr__
+        nn.Module.__call__, nn.Module.__getattr__ = _orig_module_call, _orig_module_getattr
+        try:
+            with torch.no_grad():
+                if kind == "call_method":
+                    self_ = cargs[0]
+                    if target in FACTORY_METHODS:  # only its dtype and device matter
+                        self_ = torch.empty(0, dtype=self_.dtype, device=self_.device)
+                    out = getattr(self_, target)(*cargs[1:], **ckwargs)
+                else:
+                    out = target(*cargs, **ckwargs)
+        finally:
+            nn.Module.__call__, nn.Module.__getattr__ = patched_call, patched_getattr
+        return fx.node.map_aggregate(out, lambda t: t.clone() if isinstance(t, torch.Tensor) else t)
+
+    def _constant_proxy(self, t: torch.Tensor) -> _ValueProxy:
+        """A constant tensor as a traced value (a tensor attribute of the traced module)."""
+        node = self.create_arg(t)
+        proxy = _ValueProxy(node, self)
+        proxy.value, proxy.constant = t, True
+        node.meta["mw_value"] = _describe(t)
         return proxy
 
     def _run(self, kind: str, target: Any, args: Any, kwargs: Any) -> Any:
@@ -139,6 +210,32 @@ class ValueTracer(fx.Tracer):
                 return target(*cargs, **ckwargs)
         finally:
             nn.Module.__call__, nn.Module.__getattr__ = patched_call, patched_getattr
+
+
+# Tensor methods whose result depends on the tensor's dtype and device only
+FACTORY_METHODS = frozenset({"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"})
+# Calls never folded: random ones
+_RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential")
+
+
+def _foldable(kind: str, target: Any, args: Any, kwargs: Any) -> bool:
+    """A call computed once at trace time (constant folding): a factory method
+    (``x.new_zeros(...)``: Swin's attention mask), or a call whose traced arguments are all
+    the model's parameters and buffers (a relative-position-bias gather, a class token
+    expanded to the batch, a bias cloned and partly zeroed). Not an in-place write (it
+    would reach the model's tensor) nor a random call."""
+    name = target if kind == "call_method" else getattr(target, "__name__", "")
+    if not isinstance(name, str) or target is operator.setitem:
+        return False
+    if (name.endswith("_") and not name.endswith("__")) or any(r in name for r in _RANDOM):
+        return False
+    if kind == "call_method" and target in FACTORY_METHODS:
+        return True
+    proxies: list[Any] = []
+    fx.node.map_aggregate(
+        (args, kwargs), lambda a: proxies.append(a) if isinstance(a, fx.Proxy) else a
+    )
+    return bool(proxies) and all(isinstance(p, _ValueProxy) and p.constant for p in proxies)
 
 
 _BN_RANKS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
