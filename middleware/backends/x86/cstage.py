@@ -35,6 +35,7 @@ import numpy as np
 from ...index_expr import Int, Ix, Op, Var, evaluate, to_c, variables
 from ...loops import DIMS, EXPENSIVE_FUNCTIONS, Acc, Call, Const, Expr, Load, ParamVec, leaves
 from ...passes.schedule_ir import ORDER, Loop, Schedule, Stage
+from . import window
 from .cfuncs import C_FUNCS, c_expr
 from .vec512 import LANES, Unsupported, VecExpr, stride_of
 
@@ -258,6 +259,7 @@ class StageWriter:
         self.rows: dict[str, str] = {}  # hoisted row -> its first inner index's name
         self.scalars: set[str] = set()
         self.nhoist = 0
+        self.nseparable = 0  # row buffers of separable windows written so far
         self.inner_dim = ORDER[s.layout][-1]
 
     # ------------------------------------------------------------ text helpers
@@ -324,6 +326,10 @@ class StageWriter:
             if h.level < 0:
                 self.write_hoist(h, st.inner, depth, target.extent[self.inner_dim])
         self.scalars.update(h.ident for h in hoists if not h.row)
+        if st.reduction is not None and not hoists and self.separable(st, expr, depth):
+            if st.guard is not None:
+                self.emit(depth - 1, "}")
+            return
         flat = self.flat_rows(st, expr, hoists) if st.reduction is None else None
         loops = st.loops[:-1] if flat else st.loops
         for i, lp in enumerate(loops):
@@ -346,29 +352,92 @@ class StageWriter:
                 lambda v: [self.vstore(st, v, v.expr(expr))],
             )
         else:
-            interior = find_interior(st, target.shape, self.inner_dim)
-            if interior is None:
-                self.general(st, expr, d)
-            else:
-                outer = [
-                    (DIMS[k], b)
-                    for k, b in enumerate(interior.box)
-                    if b is not None and k != self.inner_dim
-                ]
-                cond = " && ".join(f"{v} >= {a} && {v} <= {b}" for v, (a, b) in outer)
-                if self.vector_reduction(st, expr, interior, cond, d):
-                    pass
-                elif cond:
-                    self.emit(d, f"if ({cond}) {{")
-                    self.fast(st, expr, interior, d + 1)
-                    self.emit(d, "} else {")
-                    self.general(st, expr, d + 1)
-                    self.emit(d, "}")
-                else:
-                    self.fast(st, expr, interior, d)
+            self.reduction(st, expr, d)
         self.close_loops(len(loops), depth)
         if st.guard is not None:
             self.emit(depth - 1, "}")
+
+    def reduction(self, st: Stage, expr: Expr, d: int) -> None:
+        """The window of a reduction stage inside its loops: the unrolled interior with
+        vector border chunks where it has one, else the general nest."""
+        target = self.s.buffer(st.target)
+        interior = find_interior(st, target.shape, self.inner_dim)
+        if interior is None:
+            self.general(st, expr, d)
+            return
+        outer = [
+            (DIMS[k], b) for k, b in enumerate(interior.box) if b is not None and k != self.inner_dim
+        ]
+        cond = " && ".join(f"{v} >= {a} && {v} <= {b}" for v, (a, b) in outer)
+        if self.vector_reduction(st, expr, interior, cond, d):
+            pass
+        elif cond:
+            self.emit(d, f"if ({cond}) {{")
+            self.fast(st, expr, interior, d + 1)
+            self.emit(d, "} else {")
+            self.general(st, expr, d + 1)
+            self.emit(d, "}")
+        else:
+            self.fast(st, expr, interior, d)
+
+    def separable(self, st: Stage, expr: Expr, depth: int) -> bool:
+        """A pooling stage as row and column passes (``window.py``) under
+        ``#ifdef __AVX512F__``, the portable window under ``#else``; False (nothing
+        written) where ``window.plan`` or the AVX-512 printer refuses it."""
+        if self.vec is None or self.s.simd_floats != LANES:
+            return False
+        p = window.plan(st, self.s)
+        if p is None:
+            return False
+        nhwc = self.inner_dim == 1
+        names = [lp.var for lp in st.loops]
+        if nhwc:
+            bound_vars = variables(st.inner.lo) | variables(st.inner.hi)
+            if names[-2:] != ["h", "w"] or st.inner.var != "c" or "w" in bound_vars:
+                return False
+            outer = st.loops[:-1]
+        else:
+            if names[-1:] != ["h"] or st.inner.var != "w":
+                return False
+            outer = st.loops
+        target = self.s.buffer(st.target)
+        self.nt_ok = target.shape[self.inner_dim] % LANES == 0
+        writer = window.SeparableWriter(
+            self,
+            st,
+            expr,
+            p,
+            self.inner_dim,
+            lambda var, start: self.vec(var, start, self.rows, self.scalars),  # type: ignore[misc]
+            self.nseparable,
+        )
+        d = depth + len(outer)
+        try:
+            writer.write(d + 1)
+        except Unsupported:
+            return False
+        self.nseparable += 1
+        self.decls += writer.decls
+        self.open_loops(outer, depth)
+        self.emit(d, "{")
+        self.emit(0, "#ifdef __AVX512F__")
+        for dd, line in writer.lines:
+            self.emit(dd, line)
+        self.emit(0, "#else")
+        vec, self.vec = self.vec, None
+        try:
+            if nhwc:
+                self.open_loops(st.loops[-1:], d + 1)
+                self.reduction(st, expr, d + 2)
+                self.close_loops(1, d + 1)
+            else:
+                self.reduction(st, expr, d + 1)
+        finally:
+            self.vec = vec
+        self.emit(0, "#endif")
+        self.emit(d, "}")
+        self.close_loops(len(outer), depth)
+        return True
 
     def flat_rows(
         self, st: Stage, expr: Expr, hoists: list[Hoist]
