@@ -1,6 +1,7 @@
-"""The runtime's Python overhead: resnet18 at batch 1, optimized against eager, one process.
+"""The runtime's per-call and per-step costs, measured.
 
-Three figures, all medians of ``--repeat`` rounds after ``--warmup`` rounds; a round runs
+``--mode python`` (the default): the runtime's Python overhead, resnet18 at batch 1,
+optimized against eager, one process. Three figures, all medians of ``--repeat`` rounds after ``--warmup`` rounds; a round runs
 every mode once, in turn (every other round in reverse order), so that the host's drift
 hits all modes alike:
 
@@ -14,19 +15,43 @@ hits all modes alike:
 
 The target (issue 2): ``middleware`` no slower than ``eager`` by more than 10%.
 
+``--mode micro`` (issue 13): what one step costs, piece by piece, each the median over
+rounds of a tight loop of calls: a Python no-op; the plan loop per empty step (a plan of
+identity steps); ``torch.empty`` of a small tensor; one tiny ATen op (the dispatcher's
+floor); a ctypes call of an empty C function, with ``data_ptr()``; an OpenMP parallel
+region of the thread count and of one thread (``if`` false), through ctypes; the tiny
+vendor conv step (1x1 conv, 16 -> 16 channels, on 1x16x8x8 channels_last) the way the
+middleware called it (``torch.ops.mkldnn._convolution_pointwise``, prepacked weight) at
+the thread count and at one thread, against ``F.conv2d`` and ``torch.addmm`` on the same
+problem; a tiny generated kernel (``relu(x * 2 + 1)`` on 1x16x8x8) through its step
+function, into a preallocated output, and its plan step; and the vendor steps the
+middleware runs now for the 1x1 conv on a 1x16x1x1 input (a squeeze-excitation FC).
+
+``--mode steps``: one network's plan at ``--batch``, every step timed on its own
+(``plan.step_times``), summed and summarised per kind (vendor, generated) and per step
+function, plus the whole call against eager.
+
 Usage::
 
     python bench/overhead.py                    # resnet18, batch 1, 200 rounds
     python bench/overhead.py --repeat 50 --model torchvision:mobilenet_v3_small
+    python bench/overhead.py --mode micro
+    python bench/overhead.py --mode steps --model torchvision:mobilenet_v3_small
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
+import ctypes
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +97,7 @@ def _null_program(plan: Any, x: torch.Tensor) -> list[tuple[Any, ...]] | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("python", "micro", "steps"), default="python")
     parser.add_argument("--model", default="torchvision:resnet18")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=200)
@@ -80,6 +106,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.mode == "micro":
+        micro()
+        return
+    if args.mode == "steps":
+        steps(args.model, args.batch, max(5, args.repeat // 10))
+        return
 
     loaded = load_model(args.model)
     model = loaded.model
@@ -143,6 +175,226 @@ def main() -> None:
     ratio = med["middleware"] / med["eager"]
     verdict = "within" if ratio <= 1.10 else "NOT within"
     print(f"middleware / eager = {ratio:.3f}: {verdict} the 10% target")
+
+
+# ------------------------------------------------------------------ --mode micro
+OMP_SOURCE = r"""
+#include <omp.h>
+void empty(void *a) { (void)a; }
+void parallel(void *a, int threads) {
+  #pragma omp parallel num_threads(threads)
+  { ((volatile float *)a)[omp_get_thread_num()] = 0.0f; }
+}
+void parallel_if(void *a, int threads, long work) {
+  #pragma omp parallel num_threads(threads) if(work > 32768)
+  { ((volatile float *)a)[omp_get_thread_num()] = 0.0f; }
+}
+"""
+
+
+def per_call_us(fn: Callable[[], Any], calls: int = 1000, rounds: int = 7) -> float:
+    """Median over ``rounds`` of the mean microseconds per call of ``calls`` calls."""
+    for _ in range(min(100, calls)):
+        fn()
+    got = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        got.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(got)
+
+
+def _omp_lib(folder: Path) -> ctypes.CDLL:
+    src, lib = folder / "omp_micro.c", folder / "omp_micro.so"
+    src.write_text(OMP_SOURCE)
+    cmd = ["cc", "-O2", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(lib)]
+    subprocess.run(cmd, check=True)
+    so = ctypes.CDLL(str(lib))
+    so.empty.argtypes, so.empty.restype = [ctypes.c_void_p], None
+    so.parallel.argtypes, so.parallel.restype = [ctypes.c_void_p, ctypes.c_int], None
+    so.parallel_if.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
+    so.parallel_if.restype = None
+    return so
+
+
+def _identity_plan(n_steps: int) -> Any:
+    """A plan of ``n_steps`` steps that each return their input (the plan loop alone)."""
+    from middleware.enums import RunsAs
+    from middleware.runtime.plan import Plan, Step
+
+    def ident(x: Any) -> Any:
+        return x
+
+    steps = [Step(f"s{i}", RunsAs.GENERATED, ident, (i,), (i + 1,), ()) for i in range(n_steps)]
+    plan = Plan.__new__(Plan)
+    plan.steps, plan.n_slots, plan.input_slots = steps, n_steps + 1, (0,)
+    plan._template, plan._single_out, plan.consumes_inputs = [None] * (n_steps + 1), n_steps, False
+    plan._program = [(st.fn, st.ins, st.outs, False, st.frees) for st in steps]
+    plan.memory = None
+    return plan
+
+
+def micro() -> None:
+    """The per-step cost, piece by piece (see the module docstring)."""
+    import torch.nn.functional as F
+
+    threads = torch.get_num_threads()
+    res: dict[str, float] = {}
+    res["python no-op call"] = per_call_us(lambda: None, 20000)
+    plan = _identity_plan(100)
+    x0 = torch.zeros(1)
+    res["plan loop, per empty step"] = (
+        per_call_us(lambda: plan._run([x0], plan._program), 200) / 100
+    )
+    res["torch.empty(1x16x8x8, channels_last)"] = per_call_us(
+        lambda: torch.empty((1, 16, 8, 8), memory_format=torch.channels_last), 5000
+    )
+    small = torch.randn(16)
+    res["tiny ATen op (relu_ on 16 floats): dispatcher floor"] = per_call_us(
+        lambda: torch.relu_(small), 5000
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        so = _omp_lib(Path(tmp))
+        buf = torch.zeros(64)
+        p = buf.data_ptr()
+        res["ctypes call, empty C function"] = per_call_us(lambda: so.empty(p), 20000)
+        res["ctypes call + tensor.data_ptr()"] = per_call_us(
+            lambda: so.empty(buf.data_ptr()), 20000
+        )
+        res[f"ctypes + OpenMP parallel region, {threads} threads"] = per_call_us(
+            lambda: so.parallel(p, threads), 5000
+        )
+        res["ctypes + OpenMP parallel region, 1 thread"] = per_call_us(
+            lambda: so.parallel(p, 1), 5000
+        )
+        res["ctypes + OpenMP parallel if(false)"] = per_call_us(
+            lambda: so.parallel_if(p, threads, 1), 5000
+        )
+    x = torch.randn(1, 16, 8, 8).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(16, 16, 1, 1), torch.randn(16)
+    geo = ([0, 0], [1, 1], [1, 1], 1)
+    wp = torch.ops.mkldnn._reorder_convolution_weight(w, *geo, list(x.shape))
+    conv = torch.ops.mkldnn._convolution_pointwise
+
+    def onednn() -> Any:
+        return conv(x, wp, b, *geo, "none", [], "")
+
+    res[f"oneDNN conv 1x1 on 1x16x8x8 (prepacked, {threads} threads)"] = per_call_us(onednn, 500)
+    torch.set_num_threads(1)
+    res["oneDNN conv 1x1 on 1x16x8x8 (prepacked, 1 thread)"] = per_call_us(onednn, 500)
+    torch.set_num_threads(threads)
+    res["F.conv2d 1x1 on 1x16x8x8 channels_last"] = per_call_us(lambda: F.conv2d(x, w, b), 2000)
+    wt = w.view(16, 16).t().contiguous()
+    xv = x.permute(0, 2, 3, 1).reshape(64, 16)
+    out = torch.empty(64, 16)
+    res["torch.addmm (64x16 @ 16x16 + bias) into an output"] = per_call_us(
+        lambda: torch.addmm(b, xv, wt, out=out), 5000
+    )
+    _generated(res)
+    _se_fc(res)
+    width = max(len(k) for k in res)
+    print(f"per-call cost, {threads} threads, median of 7 rounds (microseconds)")
+    for k, v in res.items():
+        print(f"  {k:<{width}} {v:9.2f}")
+
+
+def _generated(res: dict[str, float]) -> None:
+    """A tiny generated kernel: relu(x * 2 + 1) on 1x16x8x8."""
+
+    class Tiny(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x * 2.0 + 1.0)
+
+    x = torch.randn(1, 16, 8, 8)
+    opt = middleware.optimize(Tiny(), example_inputs=(x,))
+    plan = opt.plan
+    gen = [k for k, st in enumerate(plan.steps) if st.runs_as == "generated"]
+    if len(gen) != 1:
+        print(f"  (tiny generated kernel: expected one generated step, got {len(gen)})")
+        return
+    st = plan.steps[gen[0]]
+    out = torch.empty(1, 16, 8, 8)
+    unit_fn = st.fn
+    out_fn = getattr(unit_fn, "out_fn", None)
+    res["generated relu(2x+1) 1x16x8x8: step fn (allocates)"] = per_call_us(
+        lambda: unit_fn(x), 5000
+    )
+    if out_fn is not None:
+        res["generated relu(2x+1): into a preallocated output"] = per_call_us(
+            lambda: out_fn(x, out), 5000
+        )
+    res["generated relu(2x+1): plan.run, one step"] = per_call_us(lambda: plan.run([x]), 5000)
+    res["generated relu(2x+1): optimized(x), the user's call"] = per_call_us(lambda: opt(x), 5000)
+
+
+def _se_fc(res: dict[str, float]) -> None:
+    """The 1x1 conv on a 1x1-pixel input (a squeeze-excitation FC), as the middleware
+    builds its step for it."""
+
+    class Fc(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(96, 24, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.conv(x))
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 96, 1, 1)
+    opt = middleware.optimize(Fc().eval(), example_inputs=(x,))
+    plan = opt.plan
+    for st in plan.steps:
+        if st.runs_as == "vendor":
+            args = [x if i == plan.input_slots[0] else plan._template[i] for i in st.ins]
+            name = getattr(st.fn, "__name__", "fn")
+            res[f"SE FC relu(conv1x1 96->24) on 1x96x1x1: vendor step ({name})"] = per_call_us(
+                lambda st=st, args=args: st.fn(*args), 2000
+            )
+    res["SE FC on 1x96x1x1: optimized(x)"] = per_call_us(lambda: opt(x), 2000)
+
+
+# ------------------------------------------------------------------ --mode steps
+def steps(model_name: str, batch: int, repeats: int) -> None:
+    """Every step of one network's plan timed on its own, summarised."""
+    loaded = load_model(model_name)
+    model = loaded.model
+    x = loaded.example(batch)
+    opt = middleware.optimize(model, example_inputs=(x,))
+    opt(x)
+    plan = opt.plan
+    if not hasattr(plan, "step_times"):
+        print(f"{loaded.name}: the plan is a {type(plan).__name__} (no step_times)")
+        return
+    ms = plan.step_times([x], repeats)
+    kinds: dict[str, list[float]] = collections.defaultdict(list)
+    fns: dict[str, list[float]] = collections.defaultdict(list)
+    for st, t in zip(plan.steps, ms, strict=True):
+        kinds[str(st.runs_as)].append(t)
+        fns[f"{st.runs_as}:{getattr(st.fn, '__name__', 'fn')}"].append(t)
+
+    def whole(fn: Callable[[], Any]) -> float:
+        return per_call_us(fn, 20, 7) / 1e3
+
+    with torch.inference_mode():
+        eager = whole(lambda: model(x))
+    mw = whole(lambda: opt(x))
+    print(
+        f"{loaded.name}, batch {batch}, {torch.get_num_threads()} threads: {len(plan.steps)} "
+        f"steps, sum of step medians {sum(ms):.2f} ms (median of {repeats} step-by-step runs); "
+        f"whole call {mw:.2f} ms, eager {eager:.2f} ms"
+    )
+    for title, table in (("per kind", kinds), ("per step function", fns)):
+        print(f"  {title}:")
+        for k, v in sorted(table.items(), key=lambda kv: -sum(kv[1])):
+            print(
+                f"    {k:<34} {len(v):>4} steps  median {statistics.median(v) * 1e3:8.1f} us  "
+                f"sum {sum(v):7.2f} ms"
+            )
+    print("  every step (us):")
+    for st, t in zip(plan.steps, ms, strict=True):
+        print(f"    {t * 1e3:8.1f}  {st.runs_as!s:<9} {st.name}  {st.algorithm}")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
