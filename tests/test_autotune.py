@@ -418,3 +418,24 @@ def test_the_session_counts_the_layers_to_tune(tmp_path):
     assert not s.over_budget()
     s.tuned(0.6, "b")
     assert s.over_budget() and s.done == 2
+
+
+def test_the_default_takes_stored_decisions_and_times_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(tuning, "TIMER", _fake_timer)  # im2col_gemm wins every layer
+    tuned = _optimize(tmp_path)
+    assert {r.algorithm for r in tuned} == {"im2col_gemm"}
+    tuning.clear_memo()
+    monkeypatch.setattr(tuning, "TIMER", _no_timing)
+    m = _ns["make"]()
+    x = torch.randn(2, 3, 12, 10)
+    opt = middleware.optimize(m, example_inputs=[x], cache_dir=tmp_path, measure_hardware=False)
+    with torch.inference_mode():
+        _close(opt(x), m(x))
+    rows = [r for r in opt.report().rows if r.op == "conv2d"]
+    assert [r.algorithm for r in rows] == ["im2col_gemm"] * 4
+    assert all(r.reason.startswith("default: stored tuning decision") for r in rows)
+    # another cache directory has no decisions: the rule (here, the vendor call)
+    fresh = middleware.optimize(
+        m, example_inputs=[x], cache_dir=tmp_path / "other", measure_hardware=False
+    )
+    assert {r.algorithm for r in fresh.report().rows if r.op == "conv2d"} == {"vendor"}

@@ -29,7 +29,8 @@ linear: ``vendor`` only.
 
 :func:`choose` picks one algorithm per layer from ``Options.algorithms`` (a string, a
 list by layer index, or a callable on a :class:`Layer`; "default" lets the middleware
-decide; "autotune" measures every usable one, :func:`tuned_choice` and ``tuning.py``;
+decide; with no selection at all, a layer takes the stored tuning decision for its problem
+where one exists, :func:`_stored_choice`; "autotune" measures every usable one, :func:`tuned_choice` and ``tuning.py``;
 "auto" takes the stored tuning decision for the layer's problem size where one exists,
 else the default, :func:`auto_choice`); a
 named algorithm that does not apply, or whose extra bytes exceed
@@ -580,6 +581,10 @@ def choose(
     if name == AUTO:
         return auto_choice(graph, node, device, options, hardware)
     if algorithm is None:
+        if not options.algorithms:  # nothing asked: a stored tuning decision, else the rule
+            stored = _stored_choice(graph, node, device, options, hardware)
+            if stored is not None:
+                return stored
         return default_choice(graph, node, device, options, hardware)
     why = _usable(algorithm, graph, node, device, options)
     if why is None:
@@ -650,6 +655,26 @@ def _layers_to_tune(graph: Graph, options: Options) -> int:
         elif isinstance(sel, tuple) and len(sel) == n_layers:
             count += sum(name == AUTOTUNE for name in sel)
     return count
+
+
+def _stored_choice(
+    graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
+) -> Choice | None:
+    """The algorithm a stored tuning decision names for ``node``'s problem (as "auto"
+    takes it), or None where there is none (or it no longer builds)."""
+    names = _candidates(graph, node, device, options)
+    if len(names) < 2:
+        return None
+    key = tuning.decision_key(problem_of(graph, node), names, hardware.key())
+    record, whence = tuning.DecisionStore(options.cache_dir).get(key)
+    if record is None or record.get("algorithm") not in names:
+        return None
+    name = record["algorithm"]
+    fn = ALGORITHMS[node.op][name].build(graph, node, device, options, hardware)
+    if fn is None:
+        return None
+    how = "in the cache directory" if whence == "cached" else "in this process"
+    return Choice(fn, name, f"default: stored tuning decision ({how}): {record['summary']}")
 
 
 def auto_choice(
