@@ -366,7 +366,9 @@ class StageWriter:
             self.general(st, expr, d)
             return
         outer = [
-            (DIMS[k], b) for k, b in enumerate(interior.box) if b is not None and k != self.inner_dim
+            (DIMS[k], b)
+            for k, b in enumerate(interior.box)
+            if b is not None and k != self.inner_dim
         ]
         cond = " && ".join(f"{v} >= {a} && {v} <= {b}" for v, (a, b) in outer)
         if self.vector_reduction(st, expr, interior, cond, d):
@@ -395,11 +397,8 @@ class StageWriter:
             bound_vars = variables(st.inner.lo) | variables(st.inner.hi)
             if names[-2:] != ["h", "w"] or st.inner.var != "c" or "w" in bound_vars:
                 return False
-            outer = st.loops[:-1]
-        else:
-            if names[-1:] != ["h"] or st.inner.var != "w":
-                return False
-            outer = st.loops
+        elif names[-1:] != ["h"] or st.inner.var != "w":
+            return False
         target = self.s.buffer(st.target)
         self.nt_ok = target.shape[self.inner_dim] % LANES == 0
         writer = window.SeparableWriter(
@@ -411,6 +410,9 @@ class StageWriter:
             lambda var, start: self.vec(var, start, self.rows, self.scalars),  # type: ignore[misc]
             self.nseparable,
         )
+        # the loops the writer writes itself: channels_last's w, a flat plane's h
+        own = st.loops[-1:] if nhwc or writer.flat_plane else ()
+        outer = st.loops[: len(st.loops) - len(own)]
         d = depth + len(outer)
         try:
             writer.write(d + 1)
@@ -426,12 +428,9 @@ class StageWriter:
         self.emit(0, "#else")
         vec, self.vec = self.vec, None
         try:
-            if nhwc:
-                self.open_loops(st.loops[-1:], d + 1)
-                self.reduction(st, expr, d + 2)
-                self.close_loops(1, d + 1)
-            else:
-                self.reduction(st, expr, d + 1)
+            self.open_loops(own, d + 1)
+            self.reduction(st, expr, d + 1 + len(own))
+            self.close_loops(len(own), d + 1)
         finally:
             self.vec = vec
         self.emit(0, "#endif")
