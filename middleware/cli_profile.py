@@ -44,6 +44,11 @@ def add_parser(subparsers: Any) -> None:
         help="one sample's shape (default 3,224,224; 3,299,299 for inception_v3)",
     )
     p.add_argument("--steps", action="store_true", help="also print the per-step table")
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="measure one training step (forward, backward, SGD step) instead of inference",
+    )
     p.set_defaults(func=main)
 
 
@@ -56,10 +61,13 @@ def main(args: argparse.Namespace) -> int:
     shape = _parse_shape(args.input_shape) if args.input_shape else None
     model, name, sample = load(args.model, shape)
     model = model.to(device)
+    if args.train:
+        model.train()
     torch.manual_seed(0)
     x = torch.randn(args.batch, *sample, device=device)
-    print(f"{name}: batch {args.batch}, input {'x'.join(map(str, sample))}, device {device}")
-    result = profile(model, x, repeats=args.repeats)
+    what = ", one training step" if args.train else ""
+    print(f"{name}: batch {args.batch}, input {'x'.join(map(str, sample))}, device {device}{what}")
+    result = profile(model, x, repeats=args.repeats, train=args.train)
     text = str(result)
     if not args.steps:
         text = "\n".join(line for line in text.split("\n\n")[0].split("\n"))

@@ -298,3 +298,30 @@ def test_torchvision_network_gradients_match_pytorch(name: str) -> None:
     torchvision = pytest.importorskip("torchvision")
     model = nondegenerate(getattr(torchvision.models, name)(num_classes=10)).train()
     check_training_matches(model, torch.randn(2, 3, 64, 64))
+
+
+def test_training_profile_leaves_the_models_weights_alone() -> None:
+    model = nondegenerate(ConvNet()).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = middleware.profile(model, torch.randn(2, 3, 10, 10), repeats=2, train=True)
+    assert "training step" in result.method
+    for m in (result.original, result.optimized):
+        assert m.latency_ms > 0 and m.peak_io_bytes > 0 and m.param_bytes > 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"profiling trained the caller's {k}"
+    assert not result.notes, result.notes  # the optimized copy ran its training plan
+
+
+def test_profile_command_line_train(tmp_path, capsys) -> None:  # noqa: ANN001
+    from middleware.__main__ import main
+
+    src = tmp_path / "mynet.py"
+    src.write_text(
+        "import torch.nn as nn\n"
+        "def small():\n"
+        "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), (3, 12, 12)\n"
+    )
+    rc = main(["profile", f"{src}:small", "--batch", "2", "--repeats", "1", "--train"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "one training step" in out and "peak I/O memory" in out

@@ -31,7 +31,7 @@ from .inputs import (
     unsupported_inputs,
 )
 from .plan import Plan
-from .profile import ProfileResult, measure
+from .profile import ProfileResult, measure, measure_training
 from .report import Report, ReportRow
 from .training import compile_training, mode_key
 from .weights import WeightSnapshot, describe_names, install_registration_hooks, registrations
@@ -543,11 +543,15 @@ class OptimizedModule(nn.Module):
         inputs: Sequence[torch.Tensor] | torch.Tensor,
         repeats: int = 5,
         warmup: int = 1,
+        train: bool = False,
         **options: Any,
     ) -> ProfileResult:
         """Peak memory and latency of the original and this optimized model side by side
         (``middleware.profile``); returns a ``ProfileResult``. ``options`` (settings of a
-        new ``optimize()``) do not apply: this module is optimized already."""
+        new ``optimize()``) do not apply: this module is optimized already. ``train=True``:
+        one training step each (on copies, see ``runtime.profile.measure_training``)."""
+        if train:
+            return measure_training(self._original, self, inputs, repeats=repeats, warmup=warmup)
         return measure(self._original, self, inputs, repeats=repeats, warmup=warmup)
 
     def extra_repr(self) -> str:

@@ -19,6 +19,7 @@ plus the framework allocations the plan predicts); a disagreement of more than
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import statistics
 import time
@@ -406,5 +407,95 @@ def measure(
         method=method,
         planned_peak_io_bytes=planned,
         arena_bytes=arena_bytes,
+        notes=tuple(notes),
+    )
+
+
+# ------------------------------------------------------------------ training steps
+def training_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """One training step of ``model`` as the profiler times it: forward, a mean-square loss
+    over every floating output, backward, the optimizer's step, gradients dropped."""
+
+    def step(*inputs: torch.Tensor) -> float:
+        out = model(*inputs)
+        leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        loss = sum(t.float().square().mean() for t in leaves if t.is_floating_point())
+        loss.backward()  # type: ignore[union-attr]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def _step_peak(step: Any, inputs: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """(parameter bytes, peak I/O bytes) of one training step; gradients and activations
+    kept for the backward pass are I/O, the weights and optimizer state parameters."""
+    device = inputs[0].device if inputs else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step(*inputs)
+        torch.cuda.synchronize(device)
+        return base, torch.cuda.max_memory_allocated(device) - base
+    tracker = LiveStorageTracker()
+    tracker.add_io(list(inputs))
+    with tracker:
+        step(*inputs)
+    return tracker.param_bytes, tracker.peak_io
+
+
+def _step_ms(step: Any, inputs: Sequence[torch.Tensor], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    step(*inputs)
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure_training(
+    model: nn.Module,
+    optimized: Any,
+    inputs: Sequence[torch.Tensor] | torch.Tensor,
+    repeats: int = 5,
+    warmup: int = 1,
+) -> ProfileResult:
+    """Time and peak memory of one training step (forward, backward, SGD-with-momentum
+    step) of ``model`` and of ``optimized`` (an ``OptimizedModule`` of it), side by side.
+
+    Both run on copies in training mode (the caller's weights are not trained); the steps
+    alternate, model then optimized, ``repeats`` times after ``warmup`` steps each (the
+    optimizer's momentum buffers exist by then and count as parameter memory)."""
+    inputs = _as_tuple(inputs)
+    device = inputs[0].device if inputs else torch.device("cpu")
+    eager = copy.deepcopy(model).train()
+    mine = copy.deepcopy(optimized).train()
+    steps = []
+    for net in (eager, mine):
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+        steps.append(training_step(net, opt))
+    for _ in range(max(warmup, 1)):
+        for step in steps:
+            step(*inputs)
+    peaks = [_step_peak(step, inputs) for step in steps]
+    times: list[list[float]] = [[], []]
+    for _ in range(repeats):
+        for k, step in enumerate(steps):
+            times[k].append(_step_ms(step, inputs, device))
+    input_bytes = _unique_bytes(inputs)
+    plan = mine.plan
+    notes = []
+    if plan is None:
+        notes.append("note: the optimized model trains as the original PyTorch model (fallback)")
+    method = "one training step: forward, backward, SGD step; " + (
+        "torch.cuda memory statistics" if device.type == "cuda" else "live-storage tracking"
+    )
+    return ProfileResult(
+        original=ModelProfile(*peaks[0], statistics.median(times[0]), input_bytes),
+        optimized=ModelProfile(*peaks[1], statistics.median(times[1]), input_bytes),
+        groups=(),
+        device=str(device),
+        method=method,
         notes=tuple(notes),
     )
