@@ -25,7 +25,8 @@ conv2d, built in (``ALGORITHMS["conv2d"]``):
   pixel, columns (kh, kw, c)) and multiplied by the weight with the framework's GEMM
   (``addmm``; ``bmm`` per group), then the residual add and the activation in place.
 
-linear: ``vendor`` only.
+linear: ``vendor``, and ``gemv`` (``gemv.py``: a generated streaming matrix-vector
+product for up to 8 rows, the weight read once and in place; exact).
 
 :func:`choose` picks one algorithm per layer from ``Options.algorithms`` (a string, a
 list by layer index, or a callable on a :class:`Layer`; "default" lets the middleware
@@ -62,7 +63,7 @@ from ...options import Options
 from ...version import __version__
 from ..x86.build import load_shared
 from ..x86.compile import build_c
-from . import direct, tuning
+from . import direct, gemv, tuning
 from . import winograd as wg
 from . import winograd_f2 as wg2
 from .calls import _conv_geometry, activation_attrs, inplace_activation, vendor_kernel
@@ -248,10 +249,30 @@ LINEAR_VENDOR = dataclasses.replace(
     VENDOR, op="linear", description="oneDNN/MKL (packed where measured faster) or F.linear"
 )
 
+
+def _gemv_applies(graph: Graph, node: Node, device: torch.device, options: Options) -> str | None:
+    return gemv.why_not(graph, node, device)
+
+
+def _gemv_build(
+    graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
+) -> Kernel | None:
+    return gemv.kernel(graph, node, options, hardware)
+
+
+GEMV = Algorithm(
+    "gemv",
+    "linear",
+    _gemv_applies,
+    _gemv_build,
+    description="generated streaming GEMV for a few rows: the weight read once, in place, "
+    "at memory speed; activation fused",
+)
+
 # Per op, its algorithms by name; the first is the default's fallback.
 ALGORITHMS: dict[str, dict[str, Algorithm]] = {
     "conv2d": {a.name: a for a in (VENDOR, WINOGRAD_F4X4, IM2COL_GEMM, WINOGRAD_F2X2, DIRECT)},
-    "linear": {LINEAR_VENDOR.name: LINEAR_VENDOR},
+    "linear": {a.name: a for a in (LINEAR_VENDOR, GEMV)},
 }
 
 

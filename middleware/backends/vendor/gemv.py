@@ -1,0 +1,129 @@
+"""The ``gemv`` algorithm of linear: a generated streaming matrix-vector product for a few
+rows (batch 1 classifiers: alexnet's and vgg16's fully connected layers read 100+ MB of
+weights per call), with the activation fused (``x86/templates/gemv.c.j2``).
+
+At ``rows`` <= ``MAX_ROWS`` a linear layer is bound by reading its weight: the kernel
+reads PyTorch's own row-major weight in place (no packed copy), every element once per
+``NB`` rows, output rows split evenly over the threads, with independent accumulators and
+prefetch. Exact up to float rounding (a fixed summation order). Its record is in
+``algorithms.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...errors import CompileError
+from ...graph import Graph, Node
+from ...hardware import Hardware
+from ...loops import Acc, NotFusable
+from ...ops import activation_expr
+from ...options import Options
+from ..x86.build import load_shared
+from ..x86.cfuncs import c_expr
+from ..x86.compile import build_c
+from ..x86.render import environment
+from .calls import activation_attrs
+
+Kernel = Callable[..., Any]
+
+MAX_ROWS = 8  # rows (the input's leading dims multiplied) where a GEMV streams the weight
+NB = 4  # rows per pass over the weight
+U = 4  # 16-lane accumulators per row
+
+
+def rows_of(graph: Graph, node: Node) -> int:
+    x_t = graph.values[node.inputs[0]]
+    return x_t.numel // max(1, x_t.shape[-1])
+
+
+def why_not(graph: Graph, node: Node, device: torch.device) -> str | None:
+    """None where the GEMV can run ``node``, else the reason."""
+    if device.type != "cpu":
+        return f"x86 only, not {device.type}"
+    if node.op != "linear":
+        return "not a linear layer"
+    x_t = graph.values[node.inputs[0]]
+    if x_t.dtype != "float32" or x_t.rank < 2:
+        return f"not a float32 input of rank >= 2 ({x_t.dtype}, rank {x_t.rank})"
+    if node.inputs[1] not in graph.params:
+        return "weight is computed"
+    if len(node.inputs) > 2 and node.inputs[2] not in graph.params:
+        return "bias is computed"
+    rows = rows_of(graph, node)
+    if rows > MAX_ROWS:
+        return f"{rows} rows: a GEMV pays below {MAX_ROWS + 1} (above, the weight is reused)"
+    name, attrs = activation_attrs(node)
+    if name:
+        try:
+            activation_expr(name, attrs, Acc())
+        except NotFusable:
+            return f"activation {name} has no loop semantics"
+    return None
+
+
+def render(graph: Graph, node: Node, threads: int) -> tuple[str, str]:
+    w_t = graph.values[node.inputs[1]]
+    out_f, in_f = w_t.shape
+    bias = len(node.inputs) > 2
+    name, attrs = activation_attrs(node)
+    act = "acc_v"
+    if name:
+        act = c_expr(activation_expr(name, attrs, Acc()), lambda x: "")
+    text = "sum_i W[o][i] * x[r][i]" + (" + b[o]" if bias else "")
+    text = f"{name}({text})" if name else text
+    fields = dict(
+        IN=in_f, OUT=out_f, NB=NB, U=U, PREFETCH=16 * 64, bias=bias, activation=act,
+        epilogue_text=text, threads=max(1, threads),
+    )  # fmt: skip
+    digest = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:10]
+    kname = f"gemv_{digest}"
+    return kname, environment().get_template("gemv.c.j2").render(name=kname, **fields)
+
+
+def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Kernel | None:
+    """The call for ``node`` (``fn(x, w[, b])`` -> a new tensor of the output's shape), or
+    None where the GEMV does not apply or failed to compile (warned; strict raises)."""
+    if why_not(graph, node, torch.device("cpu")) is not None:
+        return None
+    try:
+        kname, src = render(graph, node, hardware.cores)
+        built = build_c(
+            kname, src, options.cache_dir, key_extra=(options.codegen_key(), hardware.key())
+        )
+    except CompileError as e:
+        if options.strict:
+            raise
+        warnings.warn(
+            f"{node.name} runs as the vendor's linear: its GEMV failed to compile; source: "
+            f"{e.source_path}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    fn = getattr(load_shared(built.binary), kname)
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long]
+    weight = torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[1]], np.float32))
+    bias = None
+    if len(node.inputs) > 2:
+        bias = torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[2]], np.float32))
+    wp, bp = weight.data_ptr(), bias.data_ptr() if bias is not None else None
+    out_f = weight.shape[0]
+
+    def linear_gemv(x, _w, *_rest):
+        x = x.contiguous()
+        y = torch.empty((*x.shape[:-1], out_f))
+        fn(x.data_ptr(), wp, bp, y.data_ptr(), x.numel() // x.shape[-1])
+        return y
+
+    linear_gemv.algorithm = "gemv"  # type: ignore[attr-defined]
+    linear_gemv.keep = (weight, bias)  # type: ignore[attr-defined]
+    return linear_gemv
