@@ -635,6 +635,69 @@ def net_layers_table(args: argparse.Namespace, cache: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+# (in, out) features of the classifiers: alexnet, vgg16, mobilenet_v3_small, resnet18/50
+LINEAR_SHAPES = [(9216, 4096), (25088, 4096), (4096, 4096), (4096, 1000), (576, 1024),
+                 (1024, 1000), (512, 1000), (2048, 1000)]  # fmt: skip
+
+
+def triad_gbs(n: int = 1 << 25, repeat: int = 7) -> float:
+    """STREAM triad a = b + s * c over float32 arrays of ``n`` elements (12 bytes per
+    element moved), median GB/s, in this process."""
+    b, c = torch.rand(n), torch.rand(n)
+    a = torch.empty(n)
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        ts.append(time.perf_counter() - t0)
+    return 12 * n / statistics.median(ts) / 1e9
+
+
+def linear_table(args: argparse.Namespace, cache: Path) -> str:
+    """Per classifier shape and row count: vendor and gemv call times and the weight's
+    streaming rate, with the same run's triad."""
+    opts, hw = Options(cache_dir=cache), detect("cpu", None, measure=False)
+    rng = random.Random(0)
+    triad = triad_gbs()
+    lines = [
+        f"STREAM triad in this run: {triad:.1f} GB/s; {torch.get_num_threads()} threads. "
+        "GB/s: the weight's bytes over the call's time.",
+        "",
+        "| in -> out | rows | vendor ms | gemv ms | gemv / vendor | vendor GB/s | gemv GB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for in_f, out_f in LINEAR_SHAPES:
+        for rows in (1, 2, 4, 8):
+            gen = np.random.default_rng(0)
+            g = Graph()
+            g.add_input("x", TensorType((rows, in_f)))
+            w = (gen.standard_normal((out_f, in_f)) / math.sqrt(in_f)).astype(np.float32)
+            g.add_param("w", w)
+            g.add_param("b", np.zeros(out_f, np.float32))
+            node = Node("l", "linear", ("x", "w", "b"), ("y",), dict(activation="relu"))
+            g.add_node(node, infer_types(g.values, node))
+            g.set_outputs("y")
+            x = [torch.randn(rows, in_f), torch.from_numpy(w), torch.from_numpy(g.params["b"])]
+            ref = get_op("linear").bind(node)(*x)
+            fns = {}
+            for name in ("vendor", "gemv"):
+                fn = ALGORITHMS["linear"][name].build(g, node, torch.device("cpu"), opts, hw)
+                err = max_rel_err(fn(*x), ref)
+                if err > 1e-4:
+                    raise SystemExit(f"linear {in_f}->{out_f} rows {rows}: {name} error {err}")
+                fns[name] = lambda fn=fn, x=x: fn(*x)
+            with torch.inference_mode():
+                ms = interleaved(fns, args.warmup, args.repeat, rng)
+            gb = in_f * out_f * 4 / 1e9
+            lines.append(
+                f"| {in_f} -> {out_f} | {rows} | {ms['vendor']:.3f} | {ms['gemv']:.3f} | "
+                f"{ms['gemv'] / ms['vendor']:.2f} | {gb / ms['vendor'] * 1e3:.1f} | "
+                f"{gb / ms['gemv'] * 1e3:.1f} |"
+            )
+            print(lines[-1], file=sys.stderr, flush=True)
+    return "\n".join(lines) + "\n"
+
+
 ERROR_SHAPES = [
     ((1, 16, 9, 7), (32, 16, 3, 3), 1),
     ((2, 32, 8, 10), (16, 32, 3, 3), 0),
@@ -708,6 +771,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", action="store_true", help="single-layer times per algorithm")
     p.add_argument("--errors", action="store_true", help="each algorithm's measured error")
     p.add_argument(
+        "--linear", action="store_true", help="vendor vs gemv on the classifiers' linear layers"
+    )
+    p.add_argument(
         "--net-layers",
         action="store_true",
         help="every conv2d layer of resnet18, vgg16, mobilenet_v2, squeezenet1_1 (or --nets): "
@@ -718,9 +784,11 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
-    if args.layers or args.errors or args.net_layers:
+    if args.layers or args.errors or args.net_layers or args.linear:
         with tempfile.TemporaryDirectory(prefix="algorithms-") as tmp:
-            if args.net_layers:
+            if args.linear:
+                text = linear_table(args, Path(tmp))
+            elif args.net_layers:
                 text = net_layers_table(args, Path(tmp))
             elif args.errors:
                 text = errors_table(Path(tmp))
