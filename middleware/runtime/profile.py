@@ -428,7 +428,7 @@ def training_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
     return step
 
 
-def _step_peak(step: Any, inputs: Sequence[torch.Tensor]) -> tuple[int, int]:
+def step_peak(step: Any, inputs: Sequence[torch.Tensor]) -> tuple[int, int]:
     """(parameter bytes, peak I/O bytes) of one training step; gradients and activations
     kept for the backward pass are I/O, the weights and optimizer state parameters."""
     device = inputs[0].device if inputs else torch.device("cpu")
@@ -478,7 +478,7 @@ def measure_training(
     for _ in range(max(warmup, 1)):
         for step in steps:
             step(*inputs)
-    peaks = [_step_peak(step, inputs) for step in steps]
+    peaks = [step_peak(step, inputs) for step in steps]
     times: list[list[float]] = [[], []]
     for _ in range(repeats):
         for k, step in enumerate(steps):

@@ -211,10 +211,19 @@ class TrainingPlan:
 
 def training_options(options: Options) -> Options:
     """``options`` as a training plan uses them: no pass that derives weights, no batch
-    slicing (a slice's backward would need the whole batch's statistics), no buffer plan."""
+    slicing (a slice's backward would need the whole batch's statistics), no buffer plan,
+    no Winograd (transformed weights). ``layout="auto"`` is NCHW: a training-mode
+    batch-norm runs through PyTorch and the layout pass puts a conversion on each side of
+    every one under channels_last (mobilenet_v3_small, batch 2, one thread, CPU time of
+    the backward pass: 78 ms channels_last, 58 ms NCHW, eager 45 ms)."""
     disabled = tuple(dict.fromkeys((*options.disable_passes, *TRAINING_DISABLED_PASSES)))
     return dataclasses.replace(
-        options, disable_passes=disabled, batch_chunk=0, plan_memory=False, winograd=False
+        options,
+        disable_passes=disabled,
+        batch_chunk=0,
+        plan_memory=False,
+        winograd=False,
+        layout="nchw" if options.layout == "auto" else options.layout,
     )
 
 
