@@ -31,12 +31,19 @@ middleware runs now for the 1x1 conv on a 1x16x1x1 input (a squeeze-excitation F
 (``plan.step_times``), summed and summarised per kind (vendor, generated) and per step
 function, plus the whole call against eager.
 
+``--mode ab``: each network of ``--nets`` at each batch of ``--batches`` optimized twice in
+one process, with the small-1x1-conv GEMM path (``calls.GEMM_1X1_MAX_ROWS``) off
+("before") and on ("after"), plus eager channels_last; timed like ``bench/zoo.py`` (a new
+seeded order per round, blocks whose first call is discarded), outputs checked against
+eager.
+
 Usage::
 
     python bench/overhead.py                    # resnet18, batch 1, 200 rounds
     python bench/overhead.py --repeat 50 --model torchvision:mobilenet_v3_small
     python bench/overhead.py --mode micro
     python bench/overhead.py --mode steps --model torchvision:mobilenet_v3_small
+    python bench/overhead.py --mode ab --nets mobilenet_v3_small,shufflenet_v2_x1_0
 """
 
 from __future__ import annotations
@@ -97,17 +104,23 @@ def _null_program(plan: Any, x: torch.Tensor) -> list[tuple[Any, ...]] | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=("python", "micro", "steps"), default="python")
+    parser.add_argument("--mode", choices=("python", "micro", "steps", "ab"), default="python")
     parser.add_argument("--model", default="torchvision:resnet18")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--nets", default="mobilenet_v3_small,shufflenet_v2_x1_0,mobilenet_v2")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--lever", default="gemm1x1", help="--mode ab: gemm1x1, dw_generated")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.mode == "micro":
         micro()
+        return
+    if args.mode == "ab":
+        ab(args.nets.split(","), [int(b) for b in args.batches.split(",")], args.lever)
         return
     if args.mode == "steps":
         steps(args.model, args.batch, max(5, args.repeat // 10))
@@ -352,6 +365,52 @@ def _se_fc(res: dict[str, float]) -> None:
                 lambda st=st, args=args: st.fn(*args), 2000
             )
     res["SE FC on 1x96x1x1: optimized(x)"] = per_call_us(lambda: opt(x), 2000)
+
+
+# ------------------------------------------------------------------ --mode ab
+def _lever(name: str) -> tuple[Any, str, Any, Any]:
+    """(module, attribute, value before, value after) of a lever ``--mode ab`` compares."""
+    from middleware.backends.cpu import units
+    from middleware.backends.vendor import calls
+
+    if name == "gemm1x1":  # small 1x1 convs as one addmm (the default after: on)
+        return calls, "GEMM_1X1_MAX_ROWS", 0, calls.GEMM_1X1_MAX_ROWS
+    if name == "dw_generated":  # depthwise convs generated at batch 1
+        return units, "GENERATED_DEPTHWISE_MAX_BATCH", 0, 1
+    raise SystemExit(f"unknown lever {name!r}: gemm1x1, dw_generated")
+
+
+def ab(nets: list[str], batches: list[int], lever: str = "gemm1x1") -> None:
+    """Before/after of one lever, per network and batch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import zoo
+
+    module, attr, off, on = _lever(lever)
+    default = getattr(module, attr)
+    print(f"{torch.get_num_threads()} threads; before: {attr} = {off}, after: {on}")
+    for net in nets:
+        for batch in batches:
+            model, size = zoo.make_model(net)
+            x = zoo.make_input(batch, size)
+            fns = zoo.eager_runners(model, x)
+            for label, value in (("before", off), ("after", on)):
+                setattr(module, attr, value)
+                try:
+                    opt = middleware.optimize(model, example_inputs=(x,))
+                finally:
+                    setattr(module, attr, default)
+                fns[label] = lambda opt=opt, x=x: opt(x)
+            ref = zoo.as_tensor(fns["eager"]())
+            errs = {k: zoo.max_rel_err(zoo.as_tensor(fn()), ref) for k, fn in fns.items()}
+            block = 5 if batch <= 2 else 2
+            ms = zoo.timed_blocks(fns, 1, 3, block, seed=batch)
+            print(
+                f"{net} b{batch}: "
+                + "  ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
+                + f"  | after/before {ms['after'] / ms['before']:.2f}"
+                + f"  | max rel. err {max(errs.values()):.1e}"
+            )
+            sys.stdout.flush()
 
 
 # ------------------------------------------------------------------ --mode steps

@@ -70,11 +70,25 @@ def _has_loops(graph: Graph, name: str) -> bool:
 VENDOR_FASTER = frozenset({"conv2d"})
 
 
+# Depthwise convolutions at a batch of at most this many samples run as generated kernels
+# even so (0: never): at batch 1 a oneDNN call's fixed cost (bench/results/overhead_cpu.md)
+# outweighs what its faster inner loop saves on a mobile network's small tensors.
+GENERATED_DEPTHWISE_MAX_BATCH = 0
+
+
+def _depthwise(graph: Graph, node: Any) -> bool:
+    x_t = graph.values[node.inputs[0]]
+    return x_t.rank == 4 and int(node.attrs.get("groups", 1)) == x_t.shape[1] > 1
+
+
 def _vendor_faster(graph: Graph, name: str) -> bool:
     node = graph.node(name)
     if node.op not in VENDOR_FASTER or not torch.backends.mkldnn.is_available():
         return False
-    return graph.values[node.inputs[0]].dtype in ONEDNN_DTYPES
+    x_t = graph.values[node.inputs[0]]
+    if x_t.shape[0] <= GENERATED_DEPTHWISE_MAX_BATCH and _depthwise(graph, node):
+        return False
+    return x_t.dtype in ONEDNN_DTYPES
 
 
 def _runs(graph: Graph, names: Sequence[str]) -> list[list[str]]:

@@ -116,6 +116,17 @@ def inplace_activation(name: str | None, attrs: Mapping[str, Any]) -> Callable[[
 # 440). (min_rows, implementation), first match from the top wins.
 LINEAR_RULES: tuple[tuple[int, str], ...] = ((2, "onednn_packed"), (1, "aten"))
 
+# A 1x1 stride-1 convolution over at most this many pixels (batch x height x width) runs
+# as one GEMM (torch.addmm) instead of the oneDNN call, whose fixed cost per call (ideep
+# builds descriptors, attributes and a scratchpad and allocates at every call: 60 us quiet,
+# 150 us on a loaded host at one thread, where the convolution itself takes 3-5 us) is
+# most of a small layer's time (bench/results/overhead_cpu.md). Measured at 1 thread on the
+# loaded 2-core host, the addmm path against the oneDNN step on the 1x1 layers of
+# mobilenet_v2 and shufflenet_v2 at batch 1: faster on 35 of 38 layers of 49..784 pixels,
+# slower at 3136 and more; an SE FC (one pixel) 3-5 us against 150. 256 keeps every
+# batch-16 layer of those networks on oneDNN (16 x 7 x 7 = 784 pixels) but their SE FCs.
+GEMM_1X1_MAX_ROWS = 256
+
 
 def linear_impl(rows: int) -> str:
     """The linear implementation ``LINEAR_RULES`` picks for ``rows`` rows."""
@@ -188,6 +199,9 @@ def _cpu_conv(graph: Graph, node: Node) -> Kernel | None:
         return None  # a computed bias: the reference handles it
     if weight is None:
         return None  # a computed weight: nothing to prepack
+    gemm = _cpu_conv1x1_gemm(graph, node, weight, bias)
+    if gemm is not None:
+        return gemm
     if out_t.layout == "nhwc":
         # oneDNN's blocked weight; a packed weight makes oneDNN write channels_last
         w = torch.ops.mkldnn._reorder_convolution_weight(
@@ -197,7 +211,7 @@ def _cpu_conv(graph: Graph, node: Node) -> Kernel | None:
         w = weight  # plain weight: the output follows the (nchw) input
     name, attrs = activation_attrs(node)
     post = onednn_post_op(name, attrs)
-    conv = torch.ops.mkldnn._convolution_pointwise
+    conv = torch.ops.mkldnn._convolution_pointwise.default  # the overload: no resolution per call
     if not residual:
         after = None
         if post is None:  # oneDNN lacks it: plain conv, then the ATen activation in place
@@ -244,6 +258,71 @@ def _cpu_conv(graph: Graph, node: Node) -> Kernel | None:
     return conv_add
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """The (pixels, channels) matrix of an NHWC (or one-pixel) tensor: a view where its
+    memory allows, else a copy (read only)."""
+    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])
+
+
+def _cpu_conv1x1_gemm(
+    graph: Graph, node: Node, weight: torch.Tensor, bias: torch.Tensor | None
+) -> Kernel | None:
+    """A 1x1 stride-1 convolution over at most ``GEMM_1X1_MAX_ROWS`` pixels (a
+    squeeze-excitation FC, the 7x7 and 14x14 layers of mobile networks at batch 1) as one
+    ``torch.addmm`` on the NHWC matrix, then the residual add and the activation in place;
+    None where it does not apply (another geometry, more pixels, an NCHW tensor of more than
+    one pixel). Same result as the oneDNN call: ``act(x @ w.T + b + residual)`` per pixel,
+    written in the node's output layout, inputs untouched."""
+    x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    padding, stride, dilation, groups = _conv_geometry(node)
+    if tuple(weight.shape[2:]) != (1, 1) or groups != 1 or padding != [0, 0]:
+        return None
+    if stride != [1, 1] or x_t.rank != 4 or out_t.rank != 4:
+        return None
+    n, c, h, w = x_t.shape
+    rows, k = n * h * w, int(weight.shape[0])
+    if rows > GEMM_1X1_MAX_ROWS:
+        return None
+    if h * w != 1 and (x_t.layout != "nhwc" or out_t.layout != "nhwc"):
+        return None
+    residual = bool(node.attrs.get("residual", False))
+    act = inplace_activation(*activation_attrs(node))
+    wt = weight.reshape(k, c).t()  # a transposed view: the GEMM reads it as is, no copy
+    shape = tuple(out_t.shape)
+    fmt = torch.channels_last if out_t.layout == "nhwc" else torch.contiguous_format
+
+    def conv1x1_gemm(x, _w, *rest):
+        out = torch.empty(shape, memory_format=fmt)
+        o = out.permute(0, 2, 3, 1).view(rows, k)
+        if bias is None:
+            torch.mm(_rows(x), wt, out=o)
+        else:
+            torch.addmm(bias, _rows(x), wt, out=o)
+        if residual:
+            o.add_(_rows(rest[-1]))
+        return out if act is None else act(out)
+
+    if not residual:
+        return conv1x1_gemm
+
+    def conv1x1_gemm_into_residual(x, _w, *rest):
+        # accumulate into the residual (the buffer planner uses it when the residual dies
+        # here); through a copy where its memory is not an NHWC matrix
+        r = rest[-1]
+        view = r.permute(0, 2, 3, 1)
+        if not view.is_contiguous():
+            r.copy_(conv1x1_gemm(x, _w, *rest))
+            return r
+        m = view.view(rows, k)
+        m.addmm_(_rows(x), wt)
+        if bias is not None:
+            m.add_(bias)
+        return r if act is None else act(r)
+
+    conv1x1_gemm.into_residual = conv1x1_gemm_into_residual  # type: ignore[attr-defined]
+    return conv1x1_gemm
+
+
 def _cpu_linear(graph: Graph, node: Node) -> Kernel | None:
     """linear (+activation): packed oneDNN call or F.linear, as ``LINEAR_RULES`` says."""
     x_t = graph.values[node.inputs[0]]
@@ -258,7 +337,7 @@ def _cpu_linear(graph: Graph, node: Node) -> Kernel | None:
     post = onednn_post_op(name, attrs)
     if linear_impl(rows) == "onednn_packed" and torch.backends.mkldnn.is_available():
         w = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        lin = torch.ops.mkldnn._linear_pointwise
+        lin = torch.ops.mkldnn._linear_pointwise.default
         after = None
         if post is None:
             post, after = OneDnnPostOp(), inplace_activation(name, attrs)
