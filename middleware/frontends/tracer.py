@@ -94,9 +94,19 @@ class ValueTracer(fx.Tracer):
         self._examples = list(example_inputs)
         self._next_input = 0
         self._leaf_once: nn.Module | None = None  # a refused decomposition: one call
+        # the results of wrapped functions traced into: fx's wrapper marks them "is_wrapped"
+        # as if they were its leaf call, and the generated code would then call
+        # ``fx.wrap("torch.cat")``, registering a global patch that breaks later traces
+        self._traced_through: set[fx.Node] = set()
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _ValueProxy(node, self)
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        graph = super().trace(root, concrete_args)
+        for node in self._traced_through:
+            node.meta.pop("is_wrapped", None)
+        return graph
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if type(m) in MODULE_DECOMPOSITIONS:
@@ -133,6 +143,7 @@ class ValueTracer(fx.Tracer):
             if isinstance(out, torch.Tensor) and not isinstance(out, fx.Proxy):
                 out = self._constant_proxy(out)  # its body folded to a constant
             if isinstance(out, fx.Proxy):
+                self._traced_through.add(out.node)
                 return out
             raise TraceError(f"{target.__qualname__} returned {type(out).__name__}, not a tensor")
         if kind in ("call_function", "call_method") and _foldable(kind, target, args, kwargs):
