@@ -15,10 +15,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fusion_helpers import bn, build_chain, hardware, maxpool
+from fusion_helpers import avgpool, bn, build_chain, hardware, maxpool
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import middleware
 from middleware.backends.x86 import X86Backend
+from middleware.backends.x86.compile import build_c
 from middleware.backends.x86.render import render_c
 from middleware.options import Options
 
@@ -189,3 +192,111 @@ def test_vector_stride_refuses_an_index_only_sampled_as_affine():
     with pytest.raises(Unsupported):
         stride_of([shuffle], "c", [1], [200])
     assert stride_of([op("add", op("mul", c, Int(3)), Int(1))], "c", [1], [200]) == 3
+
+
+# ----------------------------------------------------------- separable window passes
+# backends/x86/window.py: pooling as a row pass into an L1 buffer and a column pass, in
+# three forms: rows (NCHW, vector along w; channels_last, vector along c, the row pass
+# interleaved into the column loop), flat planes (NCHW stride 1, rows as wide as the
+# output) and NCHW planes staged for non-temporal stores. Odd shapes (H, W not multiples
+# of 16 or of the stride, C not a multiple of 16), batch 1 and 5, NaN and +-inf inputs,
+# every kernel/stride/padding/dilation/ceil_mode/count_include_pad the path accepts.
+
+
+def _pool_graph(
+    layout: str,
+    shape: tuple[int, int, int, int],
+    pool: tuple,
+    producer: bool,
+):  # noqa: ANN202
+    steps = [bn(), ("relu", {})] if producer else []
+    return build_chain(shape, layout, [*steps, pool])
+
+
+def _run_pool(g, layout: str, shape, tmp_path, seed: int, stream: bool) -> str:  # noqa: ANN001
+    """Renders ``g`` as one kernel (``stream``: every output stored non-temporally where
+    the loop allows), checks it against PyTorch on inputs with NaN and +-inf, and returns
+    the generated source."""
+    s = X86Backend().schedule(g, [n.name for n in g.nodes()], hardware())
+    src = render_c(s, stream_min_bytes=0 if stream else float("inf"))
+    fn = getattr(ctypes.CDLL(str(build_c(s.name, src, tmp_path).binary)), s.name)
+    fn.restype, fn.argtypes = None, [ctypes.c_void_p] * 2
+    mf = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+    x = with_specials(shape, seed=seed).contiguous(memory_format=mf)
+    ref = g.evaluate(x)
+    out = torch.empty(ref.shape).contiguous(memory_format=mf)
+    fn(x.data_ptr(), out.data_ptr())
+    assert_matches(out, ref, f"{layout} {shape} {list(g.nodes())[-1].attrs}")
+    return src
+
+
+@st.composite
+def _pool_case(draw):  # noqa: ANN001, ANN202
+    layout = draw(st.sampled_from(LAYOUTS))
+    avg = draw(st.booleans())
+    k = draw(st.integers(1, 4))
+    s = draw(st.integers(1, 3))
+    p = draw(st.integers(0, k // 2))
+    d = 1 if avg else draw(st.integers(1, 2))
+    ceil = draw(st.booleans())
+    span = d * (k - 1) + 1
+    h = draw(st.integers(max(span - 2 * p, 1), 40))
+    w = draw(st.integers(max(span - 2 * p, 1), 40))
+    n = draw(st.sampled_from((1, 5)))
+    c = draw(st.sampled_from((3, 16, 17)))
+    if avg:
+        pool = avgpool(k, s, p, ceil=ceil, cip=draw(st.booleans()))
+    else:
+        pool = maxpool(k, s, p, d, ceil)
+    return layout, (n, c, h, w), pool, draw(st.booleans()), draw(st.booleans())
+
+
+def _check_pool_case(case, tmp_path) -> None:  # noqa: ANN001
+    layout, shape, pool, producer, stream = case
+    g = _pool_graph(layout, shape, pool, producer)
+    _run_pool(g, layout, shape, tmp_path, seed=sum(shape), stream=stream)
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(case=_pool_case())
+def test_window_passes_match_pytorch(case, tmp_path) -> None:  # noqa: ANN001
+    """Max/avg pooling (after BN -> ReLU or on the input itself) over random odd shapes
+    and window parameters, both layouts, NaN/inf inputs, regular and non-temporal stores:
+    PyTorch's values (NaN positions, infinities, finite values)."""
+    _check_pool_case(case, tmp_path)
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(case=_pool_case())
+def test_window_passes_match_pytorch_many(case, tmp_path) -> None:  # noqa: ANN001
+    _check_pool_case(case, tmp_path)
+
+
+# (layout, shape, pool, what the source must contain): each form of window.py taken
+WINDOW_FORMS = [
+    # NCHW rows, stride 2, staged plane with non-temporal stores
+    ("nchw", (5, 17, 23, 37), maxpool(3, 2, 1), ("wrow0_", "wout0_", "_mm512_stream_ps")),
+    ("nchw", (5, 3, 23, 37), avgpool(3, 2, 1, cip=False), ("wrow0_", "wout0_", "wdiv0_")),
+    # NCHW flat plane (stride 1, 33 >= 16 columns), non-temporal stores
+    ("nchw", (5, 17, 19, 33), maxpool(3, 1, 1), ("wrow0_", "wv_", "_mm512_stream_ps")),
+    ("nchw", (5, 3, 19, 33), avgpool(3, 1, 1, cip=False), ("wv_", "wdiv0_")),
+    # channels_last rows, 17 channels (a masked last chunk)
+    ("nhwc", (5, 17, 23, 37), maxpool(3, 2, 1), ("wrow0_", "xd_")),
+    ("nhwc", (1, 17, 23, 37), avgpool(3, 2, 1, ceil=True, cip=False), ("wrow0_", "wdiv0_")),
+    ("nhwc", (1, 20, 19, 33), maxpool(2, 1, 1, 2), ("wrow0_",)),
+]
+
+
+@pytest.mark.parametrize("layout,shape,pool,marks", WINDOW_FORMS)
+def test_window_forms(layout, shape, pool, marks, tmp_path) -> None:  # noqa: ANN001
+    """Each form of the separable window is generated where it applies (checked in the
+    source) and gives PyTorch's values, NaN and inf included."""
+    g = _pool_graph(layout, shape, pool, producer=True)
+    src = _run_pool(g, layout, shape, tmp_path, seed=7, stream=True)
+    missing = [m for m in marks if m not in src]
+    assert not missing, missing

@@ -44,6 +44,8 @@ from .vec512 import LANES, Unsupported, VecExpr
 
 # The largest row buffer (floats, on the stack of each thread): 64K floats, 256 KiB.
 MAX_ROW_FLOATS = 65536
+# The most window rows (and columns) unrolled in a pass.
+MAX_TAPS = 16
 # The largest table of per-output divisors (average pooling with a varying count).
 MAX_DIVISOR_TABLE = 65536
 # The largest output plane staged for non-temporal stores (floats, per thread).
@@ -156,6 +158,19 @@ def _bounds(lp: Loop, var: str, out: int) -> tuple[np.ndarray, np.ndarray] | Non
     return lo, hi
 
 
+def _whole_planes(b: Buffer) -> bool:
+    """Whether ``b`` holds whole (h, w) planes at their global coordinates (an input, or
+    scratch whose tiles span h and w): the window's bounds are then the value's shape."""
+    if b.role == "input":
+        return True
+    return (
+        b.role == "scratch"
+        and b.origin[2] == Int(0)
+        and b.origin[3] == Int(0)
+        and tuple(b.extent[2:]) == tuple(b.shape[2:])
+    )
+
+
 def plan(st: Stage, s: Schedule) -> Plan | None:
     """The separable form of reduction stage ``st``, or None (see the module docstring)."""
     red = st.reduction
@@ -169,7 +184,7 @@ def plan(st: Stage, s: Schedule) -> Plan | None:
     if not loads:
         return None
     bufs = {x.value: s.buffer_of(x.value) for x in loads}
-    if any(b.role != "input" for b in bufs.values()):
+    if not all(_whole_planes(b) for b in bufs.values()):
         return None
     kh, kw = red.point_loops
     bh, bw = _bounds(kh, "h", out_h), _bounds(kw, "w", out_w)
@@ -177,7 +192,7 @@ def plan(st: Stage, s: Schedule) -> Plan | None:
         return None
     k0h, k1h = int(bh[0].min()), int(bh[1].max())
     k0w, k1w = int(bw[0].min()), int(bw[1].max())
-    if k1h < k0h or k1w < k0w:
+    if not (0 <= k1h - k0h < MAX_TAPS and 0 <= k1w - k0w < MAX_TAPS):
         return None
     fits = set()
     for x in loads:
