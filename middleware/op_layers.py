@@ -1,4 +1,4 @@
-"""Registry entries of the layers with weights: conv2d, linear, matmul (compute- or
+"""Registry entries of the layers with weights: conv2d, linear, matmul, einsum (compute- or
 param-bound; run by the vendor calls, a depthwise conv2d also generated)."""
 
 from __future__ import annotations
@@ -99,3 +99,31 @@ def matmul_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorTyp
 
 
 register(OpDef("matmul", Bound.COMPUTE, _matmul, flops_fn=matmul_flops))
+
+
+def _einsum(node: Node) -> Kernel:
+    equation = node.attrs["equation"]
+
+    def einsum(*xs):
+        return torch.einsum(equation, *xs)
+
+    return einsum
+
+
+def einsum_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
+    """Two FLOPs per term of the sum: every index of the equation iterated once."""
+    sizes: dict[str, int] = {}
+    lhs = node.attrs["equation"].replace(" ", "").split("->")[0]
+    for letters, t in zip(lhs.split(","), ins, strict=False):
+        if "..." in letters:
+            return 2.0 * outs[0].numel
+        for ch, n in zip(letters, t.shape, strict=False):
+            sizes[ch] = n
+    total = 1
+    for n in sizes.values():
+        total *= n
+    return 2.0 * total
+
+
+# torch.einsum (MaxViT's attention: batched matrix products); ATen lowers it to bmm
+register(OpDef("einsum", Bound.COMPUTE, _einsum, flops_fn=einsum_flops))

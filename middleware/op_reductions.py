@@ -1,5 +1,6 @@
 """Registry entries of the window and reduction ops: pooling (max, average, adaptive,
-max-pool with a merged activation), mean, softmax, log_softmax, layer_norm and group_norm,
+max-pool with a merged activation), mean, softmax, log_softmax, layer_norm, group_norm and
+normalize (x / max(||x||_p, eps) along a dim),
 and the resampling ``interpolate`` (nearest and bilinear)."""
 
 from __future__ import annotations
@@ -137,6 +138,19 @@ register(
         weight_inputs=frozenset({1, 2}),
     )
 )
+
+
+def _normalize(node: Node) -> Kernel:
+    p, dim, eps = node.attrs["p"], node.attrs["dim"], node.attrs["eps"]
+
+    def normalize(x):
+        return F.normalize(x, p, dim, eps)
+
+    return normalize
+
+
+# F.normalize (Swin V2's cosine attention): ATen's norm and division, a graph node
+register(OpDef("normalize", Bound.IO, _normalize, flops_fn=reduce_flops))
 
 
 def _interpolate(node: Node) -> Kernel:

@@ -621,6 +621,15 @@ CASES: list[Case] = [
         lambda: Fn(lambda m, x: F.group_norm(x, 2, m.w), w=torch.randn(4)),
         [(3, 4, 5)],
     ),
+    ("transpose-swapaxes", "permute", lambda: Fn(lambda m, x: torch.swapaxes(x, 1, 3)), [X]),
+    ("transpose-swapdims-method", "permute", lambda: Fn(lambda m, x: x.swapdims(0, 2)), [X]),
+    ("normalize-F", "normalize", lambda: Fn(lambda m, x: F.normalize(x, dim=-1)), [X]),
+    (
+        "einsum-attention",
+        "einsum",
+        lambda: Fn(lambda m, x, y: torch.einsum("b h i d, b h j d -> b h i j", x, y), 2),
+        [(2, 3, 5, 8), (2, 3, 7, 8)],
+    ),
     (
         "sdpa-F",
         "scaled_dot_product_attention",

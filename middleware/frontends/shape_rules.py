@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .function_rules import _r_transpose
 from .rule_helpers import (
     REQUIRED,
     Unsupported,
@@ -270,6 +271,32 @@ def _m_group_norm(low, fxn, mod: nn.GroupNorm, args, kwargs):
     return _group_norm_node(low, x, mod.num_groups, w, b, mod.eps)
 
 
+def _r_normalize(low, fxn, fn, args, kwargs):
+    b = bind(
+        args,
+        kwargs,
+        [("input", REQUIRED), ("p", 2.0), ("dim", 1), ("eps", 1e-12), ("out", None)],
+        "normalize",
+    )
+    if b["out"] is not None:
+        raise Unsupported("normalize with out=")
+    x = tensor_arg(b["input"], "normalize input")
+    if not _is_int(b["dim"]):
+        raise Unsupported("normalize over several dims")
+    attrs = {"p": float(b["p"]), "dim": norm_dim(b["dim"], rank_of(low, x)), "eps": float(b["eps"])}
+    return "normalize", [x], attrs, False
+
+
+def _r_einsum(low, fxn, fn, args, kwargs):
+    if kwargs or not args or not isinstance(args[0], str):
+        raise Unsupported("einsum without an equation string first")
+    operands = args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    ins = [tensor_arg(t, "einsum operand") for t in operands]
+    return "einsum", ins, {"equation": args[0]}, False
+
+
 def _r_sdpa(low, fxn, fn, args, kwargs):
     b = bind(
         args,
@@ -309,6 +336,10 @@ SHAPE_FUNCTION_RULES: dict[Any, Any] = {
     F.interpolate: _r_interpolate,
     F.group_norm: _r_group_norm,
     F.scaled_dot_product_attention: _r_sdpa,
+    F.normalize: _r_normalize,
+    torch.einsum: _r_einsum,
+    torch.swapaxes: _r_transpose,
+    torch.swapdims: _r_transpose,
 }
 
 SHAPE_METHOD_RULES: dict[str, Any] = {
@@ -321,6 +352,8 @@ SHAPE_METHOD_RULES: dict[str, Any] = {
     "expand_as": _r_expand,
     "repeat": _r_repeat,
     "roll": _r_roll,
+    "swapaxes": _r_transpose,
+    "swapdims": _r_transpose,
 }
 
 SHAPE_MODULE_RULES: dict[type, Any] = {nn.GroupNorm: _m_group_norm}
