@@ -44,3 +44,32 @@ def assert_matches(got: torch.Tensor, expected: torch.Tensor, rel: float = 1e-4)
     assert scale > 1e-2, f"degenerate reference output (max |y| = {scale:.3g})"
     assert float(expected.std()) > 1e-3 * scale, "reference output is nearly constant"
     torch.testing.assert_close(got, expected, rtol=rel, atol=rel * scale)
+
+
+def variance_keeping(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Like :func:`nondegenerate` for any architecture (transformers included; the same rule
+    as ``bench/coverage.py``): convolutions He (2/fan-in), linear layers and attention
+    projections 1/fan-in, norms' affine parameters near (1, 0), layer scales near 1, every
+    other parameter (class tokens, position embeddings, relative-position tables)
+    N(0, 0.1^2), batch-norm statistics random near the identity. In place; eval mode."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mod in model.modules():
+            for name, p in mod.named_parameters(recurse=False):
+                fan_in = p[0].numel() if p.dim() >= 2 else 1
+                noise = torch.randn(p.shape, generator=gen)
+                if isinstance(mod, nn.modules.conv._ConvNd) and name == "weight":
+                    p.copy_(noise * math.sqrt(2.0 / fan_in))
+                elif (isinstance(mod, nn.Linear) and name == "weight") or name.endswith(
+                    "proj_weight"
+                ):
+                    p.copy_(noise * math.sqrt(1.0 / fan_in))
+                elif "scale" in name or (name == "weight" and p.dim() == 1):
+                    p.copy_(1.0 + 0.1 * noise)
+                else:
+                    p.copy_(0.1 * noise)
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.running_mean is not None:
+                c = mod.num_features
+                mod.running_mean.copy_(0.1 * torch.randn(c, generator=gen))
+                mod.running_var.copy_(torch.rand(c, generator=gen) * 0.5 + 0.75)
+    return model.eval()

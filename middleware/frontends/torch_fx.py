@@ -28,7 +28,7 @@ from .function_rules import FUNCTION_RULES, METHOD_RULES, NOOP_FUNCTIONS
 from .lowering import Lowering, Rules
 from .module_rules import MODULE_RULES
 from .shape_rules import SHAPE_FUNCTION_RULES, SHAPE_METHOD_RULES, SHAPE_MODULE_RULES
-from .tracer import ValueTracer
+from .tracer import ValueTracer, restore_containers
 
 RULES = Rules(
     {**MODULE_RULES, **SHAPE_MODULE_RULES},
@@ -68,5 +68,6 @@ def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> Graph:
         )
     gm = fx.GraphModule(tracer.root, fx_graph)
     g = Lowering(gm, fx_graph, example_inputs, RULES).run()
+    g.set_outputs(restore_containers(tracer.output_template, g.output_tree))
     g.meta["model"] = type(model).__name__
     return g

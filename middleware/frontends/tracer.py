@@ -94,17 +94,29 @@ class ValueTracer(fx.Tracer):
         self._examples = list(example_inputs)
         self._next_input = 0
         self._leaf_once: nn.Module | None = None  # a refused decomposition: one call
-        # the results of wrapped functions traced into: fx's wrapper marks them "is_wrapped"
-        # as if they were its leaf call, and the generated code would then call
-        # ``fx.wrap("torch.cat")``, registering a global patch that breaks later traces
-        self._traced_through: set[fx.Node] = set()
+        self.output_template: Any = None  # forward's return value as the model built it
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _ValueProxy(node, self)
 
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+
+        def recording(*a: Any) -> Any:
+            # forward's return value, before fx turns its dict subclasses into dicts
+            self.output_template = fn(*a)
+            return self.output_template
+
+        return recording, args
+
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         graph = super().trace(root, concrete_args)
-        for node in self._traced_through:
+        # fx marks a wrapped function's result "is_wrapped" so that the GraphModule's code
+        # calls ``fx.wrap(name)`` when it is built: a global patch, kept for the process,
+        # made for every trace (and, on the result of a function traced into, under the
+        # name of its last call: ``fx.wrap("torch.cat")`` broke every later trace). The
+        # graph is never traced again, so the marks go.
+        for node in graph.nodes:
             node.meta.pop("is_wrapped", None)
         return graph
 
@@ -143,7 +155,6 @@ class ValueTracer(fx.Tracer):
             if isinstance(out, torch.Tensor) and not isinstance(out, fx.Proxy):
                 out = self._constant_proxy(out)  # its body folded to a constant
             if isinstance(out, fx.Proxy):
-                self._traced_through.add(out.node)
                 return out
             raise TraceError(f"{target.__qualname__} returned {type(out).__name__}, not a tensor")
         if kind in ("call_function", "call_method") and _foldable(kind, target, args, kwargs):
@@ -285,3 +296,20 @@ def fetch_attr(root: nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def restore_containers(template: Any, tree: Any) -> Any:
+    """``tree`` (a lowered output tree) with the dict types of ``template`` (what forward
+    returned: fx records an ``OrderedDict``, a segmentation model's ``{"out", "aux"}``, as a
+    plain dict)."""
+    if isinstance(template, dict) and isinstance(tree, dict) and template.keys() == tree.keys():
+        items = [(k, restore_containers(template[k], v)) for k, v in tree.items()]
+        try:
+            return type(template)(items)
+        except TypeError:  # a dict subclass that cannot be built from pairs
+            return dict(items)
+    if isinstance(template, (list, tuple)) and isinstance(tree, (list, tuple)):
+        if len(template) == len(tree):
+            items = [restore_containers(a, b) for a, b in zip(template, tree, strict=True)]
+            return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    return tree
