@@ -22,6 +22,7 @@ Usage::
     python bench/coverage.py --models vit_b_16,swin_t     # a few
     python bench/coverage.py --all                        # every model (long: hours on 2 cores)
     python bench/coverage.py --all --skip-done            # the ones without a row yet
+    python bench/coverage.py --all --trace-only           # fallback counts only (minutes)
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch.nn as nn
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 JSON_PATH = RESULTS / "coverage_cpu.json"
+TRACE_JSON_PATH = RESULTS / "coverage_trace_cpu.json"
 
 # Output equal to eager within this fraction of the output's scale (max |ref|).
 TOLERANCE = 1e-3
@@ -201,6 +203,27 @@ def measure(name: str) -> dict[str, Any]:
     return row
 
 
+def measure_trace(name: str) -> dict[str, Any]:
+    """One model traced only (``middleware.trace``, seconds): its graph's nodes and fallback
+    nodes, no plan and no comparison (``--trace-only``; runs in this process)."""
+    import middleware
+
+    size = input_size(name)
+    model = build(name).eval()
+    g = middleware.trace(model, torch.randn(1, 3, size, size))
+    nodes = list(g.nodes())
+    fb = [n for n in nodes if n.op == "fallback"]
+    reasons = collections.Counter(reason_key(model, n.attrs["reason"]) for n in fb)
+    return {
+        "model": name,
+        "input": f"1x3x{size}x{size}",
+        "nodes": len(nodes),
+        "fallbacks": len(fb),
+        "reasons": reasons.most_common(),
+        "max_rel_err": None,
+    }
+
+
 def reason_key(model: nn.Module, reason: str) -> str:
     """A fallback's reason with module paths replaced by the module's class, so that the
     twelve attention layers of a ViT count as one reason."""
@@ -254,7 +277,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         "",
         f"Batch 1, variance-keeping random weights, output equal when max |y - ref| / "
         f"max |ref| < {TOLERANCE:g} over every output tensor. Fallbacks: nodes of "
-        "`report().rows` that run as one PyTorch call each. Written by "
+        '`report().rows` that run as one PyTorch call each (rows marked "trace only": '
+        "nodes of `middleware.trace`'s graph, `--trace-only`). Written by "
         "`python bench/coverage.py`; each row from its model's latest run.",
         "",
         "| model | input | nodes | fallbacks | % fallback | top reasons | output ok (rel. err) |",
@@ -271,21 +295,27 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         n, f = r["nodes"], r["fallbacks"]
         pct = 100.0 * f / n if n else 0.0
         top = "; ".join(f"{c}x {why}" for why, c in r["reasons"][:3]).replace("|", "\\|")
-        ok = "yes" if r["max_rel_err"] < TOLERANCE else "**no**"
+        err = r["max_rel_err"]
+        if err is None:
+            ok = "not run (trace only)"
+        else:
+            ok = f"{'yes' if err < TOLERANCE else '**no**'} ({err:.1e})"
         lines.append(
-            f"| {r['model']} | {r['input']} | {n} | {f} | {pct:.0f}% | {top or '-'} | "
-            f"{ok} ({r['max_rel_err']:.1e}) |"
+            f"| {r['model']} | {r['input']} | {n} | {f} | {pct:.0f}% | {top or '-'} | {ok} |"
         )
     done = [r for r in rows if "nodes" in r]
     if done:
         zero = sum(1 for r in done if r["fallbacks"] == 0)
-        ok = sum(1 for r in done if r["max_rel_err"] < TOLERANCE)
+        ok = sum(1 for r in done if r["max_rel_err"] is not None and r["max_rel_err"] < TOLERANCE)
         lines += [
             "",
             f"{len(done)} models measured: {zero} with no fallback node, {ok} equal to eager; "
             f"{sum(1 for r in rows if 'skipped' in r)} skipped, "
             f"{sum(1 for r in rows if 'error' in r)} failed.",
         ]
+    missing = sorted(set(all_models()) - {r["model"] for r in rows}, key=order_key)
+    if missing:
+        lines += ["", f"Not measured in this table ({len(missing)}): {', '.join(missing)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -296,11 +326,15 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--by-size", action="store_true", help="smallest models first (by parameter count)"
     )
+    p.add_argument(
+        "--trace-only",
+        action="store_true",
+        help="trace only, in this process: nodes and fallbacks, no plan, no comparison "
+        "(default --out bench/results/coverage_trace_cpu.json)",
+    )
     p.add_argument("--skip-done", action="store_true", help="only models without a row yet")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per model")
-    p.add_argument(
-        "--out", type=Path, default=JSON_PATH, help="results JSON (the table beside it, .md)"
-    )
+    p.add_argument("--out", type=Path, default=None, help="results JSON (the table beside it, .md)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -323,19 +357,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"unknown models: {', '.join(unknown)}")
     if args.by_size:
         names.sort(key=lambda n: weights_meta(n).get("num_params", 0))
+    if args.out is None:
+        args.out = TRACE_JSON_PATH if args.trace_only else JSON_PATH
+    if args.trace_only:
+        sys.path.insert(0, str(ROOT))
     rows = load(args.out)
     for name in names:
         if args.skip_done and name in rows and "error" not in rows[name]:
             continue
         why = skip_reason(name)
-        row = {"model": name, "skipped": why} if why else run_child(name, args.timeout)
+        if why:
+            row: dict[str, Any] = {"model": name, "skipped": why}
+        elif args.trace_only:
+            try:
+                row = measure_trace(name)
+            except Exception as e:  # noqa: BLE001 - one model's failure is its row
+                row = {"model": name, "error": f"{type(e).__name__}: {e}"[:300]}
+        else:
+            row = run_child(name, args.timeout)
         rows[name] = row
         save(rows, args.out)
         brief = (
             row.get("skipped")
             or row.get("error")
             or (
-                f"{row['fallbacks']}/{row['nodes']} fallback, err {row['max_rel_err']:.1e}, "
+                f"{row['fallbacks']}/{row['nodes']} fallback, err {row['max_rel_err']}, "
                 f"{row.get('wall_s')} s"
             )
         )
