@@ -17,6 +17,9 @@ Three things on top of the schedule's loop nest (which every backend shares):
   carries a window (NCHW) its border columns are peeled off (a short loop of the point
   form with the window's own bounds on each side). Border rows and columns of the other
   dims run the schedule's general nest (accumulator row, window loops with bounds).
+* **Separable windows** (``window.py``, tried first): a 2-D pooling window over an
+  elementwise producer runs as a row pass into an L1 row buffer and a column pass, under
+  ``#ifdef __AVX512F__``; the forms below stay as its ``#else`` and for what it refuses.
 * **NaN-propagating max without a select per tap.** In the unrolled interior a max
   reduction is ``x > y ? x : y`` (one ``vmaxps``) over the taps plus one unordered compare
   per pair of taps (``__builtin_isunordered``); a NaN anywhere in the window gives NaN, as
