@@ -263,6 +263,7 @@ class StageWriter:
         self.scalars: set[str] = set()
         self.nhoist = 0
         self.nseparable = 0  # row buffers of separable windows written so far
+        self.separable_floats = 0  # their per-tile buffers on the stack (floats)
         self.inner_dim = ORDER[s.layout][-1]
 
     # ------------------------------------------------------------ text helpers
@@ -421,6 +422,9 @@ class StageWriter:
             writer.write(d + 1)
         except Unsupported:
             return False
+        if self.separable_floats + writer.stack_floats > window.MAX_STACK_FLOATS:
+            return False
+        self.separable_floats += writer.stack_floats
         self.nseparable += 1
         self.decls += writer.decls
         self.open_loops(outer, depth)

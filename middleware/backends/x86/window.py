@@ -44,6 +44,9 @@ from .vec512 import LANES, Unsupported, VecExpr
 
 # The largest row buffer (floats, on the stack of each thread): 64K floats, 256 KiB.
 MAX_ROW_FLOATS = 65536
+# All separable stages of one kernel together (floats on each thread's stack: 1 MiB, half
+# of the smallest default thread stack, 2 MiB).
+MAX_STACK_FLOATS = 262144
 # The most window rows (and columns) unrolled in a pass.
 MAX_TAPS = 16
 # The largest table of per-output divisors (average pooling with a varying count).
@@ -296,6 +299,7 @@ class SeparableWriter:
         self.flat_plane = self.is_flat()
         self.lines: list[tuple[int, str]] = []
         self.decls: list[str] = []
+        self.stack_floats = 0  # the per-tile buffers declared (floats, on the stack)
 
     # ----------------------------------------------------------------- helpers
     def emit(self, depth: int, text: str) -> None:
@@ -379,6 +383,7 @@ class SeparableWriter:
         total = out_h * out_w
         pad = LANES
         self.decls.append(f"float {self.buf}[{total + 2 * pad}] __attribute__((aligned(64)));")
+        self.stack_floats += total + 2 * pad
         if isinstance(p.divisor, np.ndarray):
             vals = ", ".join(self.w.c_float(float(x)) for x in p.divisor.reshape(-1))
             self.decls.append(f"static const float {self.div}[{p.divisor.size}] = {{{vals}}};")
@@ -495,6 +500,7 @@ class SeparableWriter:
         if size > MAX_ROW_FLOATS:
             raise Unsupported("row buffer too large")
         self.decls.append(f"float {self.buf}[{size}] __attribute__((aligned(64)));")
+        self.stack_floats += size
         self.decls.append(
             f"for (int i_ = 0; i_ < {size}; ++i_) {self.buf}[i_] = {self.identity()};"
         )
@@ -527,6 +533,7 @@ class SeparableWriter:
             b = self.w.s.buffer(st.target)
             size = b.shape[2] * b.shape[3] + LANES
             self.decls.append(f"float {self.out_buf}[{size}] __attribute__((aligned(64)));")
+            self.stack_floats += size
             self.flush(d, self.vec("w", "w0_"))
 
     def interleaved(self, d: int, cw: int, guarded: bool, staged: bool) -> None:
