@@ -325,3 +325,14 @@ def test_profile_command_line_train(tmp_path, capsys) -> None:  # noqa: ANN001
     out = capsys.readouterr().out
     assert rc == 0
     assert "one training step" in out and "peak I/O memory" in out
+
+
+def test_second_derivative_through_a_fused_group_raises() -> None:
+    """The recomputing backward is not itself differentiable: create_graph=True through a
+    fused group must fail loudly, never return a silently wrong second derivative."""
+    model = nondegenerate(Chain()).train()
+    optimized = middleware.optimize(model, layout="nchw")
+    x = torch.randn(2, 3, 10, 10, requires_grad=True)
+    (g,) = torch.autograd.grad(optimized(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
+        g.sum().backward()

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 
 from ..backends import backend_for
 from ..backends.cpu.units import fusion_units
@@ -71,6 +72,7 @@ class _GroupFunction(torch.autograd.Function):
         return group.kernel(*inputs)
 
     @staticmethod
+    @once_differentiable  # a second derivative through it raises instead of being wrong
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
         group: FusedGroup = ctx.group
         need = ctx.needs_input_grad[1:]
