@@ -51,7 +51,13 @@ Usage::
     python bench/zoo.py --nets mobilenet_v3_small,resnet18 --batch 1,16 --no-warm
     python bench/zoo.py --engines eager_cl,ort,middleware --out results.md
 
-Duration on the 2-core host: see README ("Benchmarks") for the measured figure of a run.
+Duration on the 2-core host: all eleven networks at batch 1 and 16 take about 35-45
+minutes when the host is quiet (per network and batch a cold ``torch.compile`` with
+freezing 10-45 s and its warm rerun 10-15 s, the ONNX export 2-10 s, ``optimize()`` a few
+seconds; the timed blocks about 2 minutes at batch 1 and 8 at batch 16 in all, vgg16 at
+batch 16 the largest share); ``--no-warm`` saves about 5 minutes. Measured on a host
+loaded by other jobs (load average 9-12): three mobile networks at both batch sizes with
+``--no-warm`` took about 36 minutes, every PyTorch-based engine 10-50x its quiet time.
 """
 
 from __future__ import annotations
