@@ -15,6 +15,19 @@ passes per output row ``h`` instead of one unrolled window per output:
    ``vpermt2ps`` per tap from L1; channels_last: 16 channels of one output pixel), divides
    (average pooling), applies the stage's epilogue (the ReLU after a max-pool) and stores.
 
+Three forms (measurements in ``bench/README.md``, issue 18's second pass):
+
+* NCHW rows: the row pass of an output row, then its column pass; software prefetch of
+  the rows ``PREFETCH_BYTES`` ahead; an output larger than the caches whose tiles are
+  whole planes is staged in a plane buffer and streamed out non-temporally a row late
+  (rows of 56 floats end mid-line: regular stores read every line first).
+* NCHW flat planes (``SeparableWriter.flat``): a stride-1 window over rows as wide as the
+  output (at least 16) runs each pass as one loop over the plane, the column taps masked
+  per lane by the lane's column (28-float rows took two chunks a row in each pass).
+* channels_last: each output column first runs the row pass up to the input columns it
+  reads (loads and stores interleave; the two passes one after the other left the memory
+  idle in turn).
+
 The row buffer carries the reduction's identity (-inf, +inf, 0) in ``pad`` columns on
 both sides, set once per tile, so no column tap has a bound or a mask; border rows (a
 window row outside the input) run the row pass as a loop over the window rows that are
@@ -772,4 +785,4 @@ class SeparableWriter:
         )
 
 
-__all__ = ["Plan", "SeparableWriter", "Unsupported", "plan", "Buffer"]
+__all__ = ["MAX_STACK_FLOATS", "Plan", "SeparableWriter", "plan"]
