@@ -174,7 +174,7 @@ def markdown(rows: Sequence[dict], engines: Sequence[str], meta: str) -> str:
         "memory ratio | loss rel. diff (max over steps) | grad rel. err (worst parameter) | "
         "first step s |"
     )
-    lines = [meta, "", head, "|" + "---|" * (len(engines) + 7)]
+    lines = [meta, "", head, "|" + "---|" * (len(engines) + 8)]
     speed, mem = [], []
     for r in rows:
         ms = r["ms"]
