@@ -92,6 +92,13 @@ def input_size(name: str) -> int:
     return max(224, int(low[0]))
 
 
+def model_input_size(name: str, model: nn.Module) -> int:
+    """The size the built model takes: a ViT's own ``image_size`` (vit_h_14 is built for
+    224 without weights, while its weights' minimum is 518), else :func:`input_size`."""
+    size = getattr(model, "image_size", None)
+    return int(size) if isinstance(size, int) else input_size(name)
+
+
 def skip_reason(name: str) -> str | None:
     params = weights_meta(name).get("num_params")
     if params is not None and params / 1e6 > MAX_PARAMS_M:
@@ -179,9 +186,9 @@ def measure(name: str) -> dict[str, Any]:
     from middleware.enums import RunsAs
 
     torch.manual_seed(0)
-    size = input_size(name)
-    row: dict[str, Any] = {"model": name, "input": f"1x3x{size}x{size}"}
     model = variance_keeping(build(name))
+    size = model_input_size(name, model)
+    row: dict[str, Any] = {"model": name, "input": f"1x3x{size}x{size}"}
     x = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         ref = model(x)
@@ -208,8 +215,8 @@ def measure_trace(name: str) -> dict[str, Any]:
     nodes, no plan and no comparison (``--trace-only``; runs in this process)."""
     import middleware
 
-    size = input_size(name)
     model = build(name).eval()
+    size = model_input_size(name, model)
     g = middleware.trace(model, torch.randn(1, 3, size, size))
     nodes = list(g.nodes())
     fb = [n for n in nodes if n.op == "fallback"]
@@ -319,6 +326,41 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_table() -> str:
+    """One table of every model from both result files: the traced graph's nodes and
+    fallbacks (``--trace-only``) and, where the full run reached it, the plan's fallbacks and
+    the output against eager (README's coverage table)."""
+    traced, full = load(TRACE_JSON_PATH), load(JSON_PATH)
+    lines = [
+        "| model | traced nodes | fallbacks (trace) | plan fallbacks | output vs eager | "
+        "optimize s |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
+    for name in sorted(set(all_models()), key=order_key):
+        t, f = traced.get(name, {}), full.get(name, {})
+        if "skipped" in f:
+            lines.append(
+                f"| {name} | {t.get('nodes', '-')} | {t.get('fallbacks', '-')} | - | "
+                f"skipped: {f['skipped']} | - |"
+            )
+            continue
+        if "error" in f:
+            plan, out = "-", f"not run: {f['error']}".replace("|", "\\|")
+        elif "nodes" in f:
+            err = f["max_rel_err"]
+            plan = str(f["fallbacks"])
+            out = f"{'equal' if err < TOLERANCE else '**differs**'} ({err:.1e})"
+            if f.get("note"):
+                out += f" [{f['note']}]"
+        else:
+            plan, out = "-", "not run this session"
+        lines.append(
+            f"| {name} | {t.get('nodes', '-')} | {t.get('fallbacks', '-')} | {plan} | {out} | "
+            f"{f.get('optimize_s', '-')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="", help="comma-separated model names")
@@ -332,6 +374,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="trace only, in this process: nodes and fallbacks, no plan, no comparison "
         "(default --out bench/results/coverage_trace_cpu.json)",
     )
+    p.add_argument(
+        "--readme", action="store_true", help="print one table of both result files and exit"
+    )
     p.add_argument("--skip-done", action="store_true", help="only models without a row yet")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per model")
     p.add_argument("--out", type=Path, default=None, help="results JSON (the table beside it, .md)")
@@ -344,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.child:
         sys.path.insert(0, str(ROOT))
         print(json.dumps(measure(args.child)))
+        return
+    if args.readme:
+        print(readme_table(), end="")
         return
     if args.all:
         names = all_models()
@@ -365,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in names:
         if args.skip_done and name in rows and "error" not in rows[name]:
             continue
-        why = skip_reason(name)
+        why = None if args.trace_only else skip_reason(name)  # a trace is cheap
         if why:
             row: dict[str, Any] = {"model": name, "skipped": why}
         elif args.trace_only:

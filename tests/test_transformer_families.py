@@ -33,6 +33,8 @@ def check(
     opt = middleware.optimize(model, example_inputs=(x,))
     rows = opt.report().rows
     assert not [r for r in rows if r.runs_as == RunsAs.FALLBACK], str(opt.report())
+    # constants folded at trace time are not left on the user's model
+    assert not [k for k in vars(model) if k.startswith("_tensor_constant")]
     for op in ops:
         assert any(r.op == op for r in rows), f"no {op} node: {opt.report()}"
     fresh = torch.randn_like(x)

@@ -16,7 +16,8 @@ Anything not understood becomes a ``fallback`` node that calls the original call
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -38,6 +39,20 @@ RULES = Rules(
 )
 
 
+@contextlib.contextmanager
+def _constants_off_the_model(model: nn.Module) -> Iterator[None]:
+    """fx stores each constant tensor a traced call reads (a value folded at trace time) as
+    an attribute ``_tensor_constant<i>`` of the model itself; the user's model must not
+    change (nor hold the constants of every trace), so those attributes go afterwards."""
+    before = set(vars(model))
+    try:
+        yield
+    finally:
+        for k in set(vars(model)) - before:
+            if k.startswith("_tensor_constant"):
+                delattr(model, k)
+
+
 def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> Graph:
     """Lower ``model`` called on ``example_inputs`` into a middleware :class:`Graph`.
 
@@ -50,23 +65,24 @@ def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> Graph:
     # First on fake tensors (fast, no data); a model that needs real data to trace (an op
     # without a fake implementation, a value read back to Python) is traced on the real
     # example inputs instead.
-    try:
-        tracer = ValueTracer(examples, fake=True)
-        fx_graph = tracer.trace(model)
-    except Exception:  # noqa: BLE001 - retried on real data just below
-        tracer = ValueTracer(examples)
+    with _constants_off_the_model(model):
         try:
+            tracer = ValueTracer(examples, fake=True)
             fx_graph = tracer.trace(model)
-        except Exception as e:  # noqa: BLE001 - any tracing failure means "run the original"
+        except Exception:  # noqa: BLE001 - retried on real data just below
+            tracer = ValueTracer(examples)
+            try:
+                fx_graph = tracer.trace(model)
+            except Exception as e:  # noqa: BLE001 - any tracing failure: "run the original"
+                raise TraceError(
+                    f"torch.fx could not trace {type(model).__name__}: {type(e).__name__}: {e}"
+                ) from e
+        if tracer._next_input != len(examples):
             raise TraceError(
-                f"torch.fx could not trace {type(model).__name__}: {type(e).__name__}: {e}"
-            ) from e
-    if tracer._next_input != len(examples):
-        raise TraceError(
-            f"forward() takes {tracer._next_input} inputs but "
-            f"{len(examples)} example inputs were given"
-        )
-    gm = fx.GraphModule(tracer.root, fx_graph)
+                f"forward() takes {tracer._next_input} inputs but "
+                f"{len(examples)} example inputs were given"
+            )
+        gm = fx.GraphModule(tracer.root, fx_graph)  # copies the constants it reads
     g = Lowering(gm, fx_graph, example_inputs, RULES).run()
     g.set_outputs(restore_containers(tracer.output_template, g.output_tree))
     g.meta["model"] = type(model).__name__
