@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fusion_helpers import conv_graph
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import middleware
@@ -63,6 +63,7 @@ def test_gemm_path_matches_reference(n, c, k, hw, layout, bias, residual, act, s
     if residual:
         args.append(torch.randn(n, k, h, w).contiguous(memory_format=fmt))
     ref = get_op("conv2d").bind(node)(*args)
+    assume(float(ref.abs().max()) > 1e-3)  # one channel, one pixel: values may all be tiny
     before = [a.clone() for a in args]
     y = fn(*args)
     for a, b in zip(args, before, strict=True):
