@@ -91,6 +91,9 @@ class Node:
 # tensor it came from). A plan may use the user's tensor itself for a constant the passes left
 # as it was (``backends.interface.constant_tensor``): one copy of unchanged weights.
 PARAM_SOURCES = "param_sources"
+# ``graph.meta[TRAINING]``: True for a graph traced for a training plan; the passes then
+# never fold a parameter that needs a gradient into a derived constant.
+TRAINING = "training"
 
 
 class Graph:

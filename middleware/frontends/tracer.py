@@ -157,8 +157,21 @@ class ValueTracer(fx.Tracer):
             if isinstance(out, fx.Proxy):
                 return out
             raise TraceError(f"{target.__qualname__} returned {type(out).__name__}, not a tensor")
-        if kind in ("call_function", "call_method") and _foldable(kind, target, args, kwargs):
-            return self._fold(kind, target, args, kwargs)
+        if kind in ("call_function", "call_method"):
+            written = _concrete_write_target(kind, target, args, kwargs)
+            if written is not None:
+                # e.g. m = x.new_zeros(s); m.add_(x): the graph cannot write into a tensor
+                # that is a constant of the trace, so the write would be lost
+                raise TraceError(
+                    f"{written} writes in place into a tensor computed at trace time (a "
+                    "constant of the graph); the write cannot be recorded"
+                )
+            if _foldable(kind, target, args, kwargs) and not (
+                self.root.training and _needs_grad(args, kwargs)
+            ):
+                # (in training mode a parameter that needs a gradient is never folded:
+                # the constant would cut its gradient path)
+                return self._fold(kind, target, args, kwargs)
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         value = self._run(kind, target, args, kwargs)
         if isinstance(proxy, _ValueProxy):
@@ -258,6 +271,44 @@ def _foldable(kind: str, target: Any, args: Any, kwargs: Any) -> bool:
         (args, kwargs), lambda a: proxies.append(a) if isinstance(a, fx.Proxy) else a
     )
     return bool(proxies) and all(isinstance(p, _ValueProxy) and p.constant for p in proxies)
+
+
+def _call_name(kind: str, target: Any) -> str:
+    name = target if kind == "call_method" else getattr(target, "__name__", "")
+    return name if isinstance(name, str) else ""
+
+
+def _concrete_write_target(kind: str, target: Any, args: Any, kwargs: Any) -> str | None:
+    """The call's description where it writes in place (a ``name_`` method, setitem or an
+    ``out=`` tensor) into a tensor that is not traced (a trace-time constant), else None."""
+    name = _call_name(kind, target)
+    out = (kwargs or {}).get("out")
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if any(isinstance(o, torch.Tensor) and not isinstance(o, fx.Proxy) for o in outs):
+        return f"{name or target}(..., out=...)"
+    inplace = target is operator.setitem or (name.endswith("_") and not name.endswith("__"))
+    inplace = inplace or name in ("__iadd__", "__isub__", "__imul__", "__itruediv__")
+    first = args[0] if args else None
+    if inplace and isinstance(first, torch.Tensor) and not isinstance(first, fx.Proxy):
+        return "setitem" if target is operator.setitem else name
+    return None
+
+
+def _needs_grad(args: Any, kwargs: Any) -> bool:
+    """A traced argument is a parameter (or buffer) that requires a gradient."""
+    found: list[bool] = []
+    fx.node.map_aggregate(
+        (args, kwargs),
+        lambda a: (
+            found.append(
+                isinstance(a, _ValueProxy)
+                and isinstance(a.value, torch.Tensor)
+                and a.value.requires_grad
+            )
+            or a
+        ),
+    )
+    return any(found)
 
 
 _BN_RANKS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..graph import Graph, Node
+from ..graph import PARAM_SOURCES, TRAINING, Graph, Node
 from ..ops import get_op, torch_dtype
 from .patterns import Rewrite
 
@@ -41,7 +41,12 @@ def canonicalize(graph: Graph) -> Graph:
             rw.alias(n.outputs[0], rw.resolve(n.inputs[0]))
             continue
         ins = [rw.resolve(v) for v in n.inputs]
-        if n.op != "fallback" and ins and all(v in graph.params or v in folded for v in ins):
+        if (
+            n.op != "fallback"
+            and ins
+            and all(v in graph.params or v in folded for v in ins)
+            and not _cuts_a_gradient(graph, ins)
+        ):
             values = _fold(graph, n, ins, folded)
             if values is not None:
                 rw.drop(n.name)
@@ -49,6 +54,16 @@ def canonicalize(graph: Graph) -> Graph:
                     folded[v] = t
                     rw.new_param_as(v, t.numpy(), graph.values[v].layout)
     return remove_dead(rw.build())
+
+
+def _cuts_a_gradient(graph: Graph, ins: list[str]) -> bool:
+    """In a training graph, folding a node that reads one of the model's own parameters or
+    buffers could turn a parameter that needs a gradient into a constant that has none (the
+    frontend keeps detached tensors, so every one of them is left unfolded)."""
+    if not graph.meta.get(TRAINING):
+        return False
+    sources = graph.meta.get(PARAM_SOURCES, {})
+    return any(v in sources for v in ins)
 
 
 def _is_no_op(graph: Graph, n: Node) -> bool:

@@ -37,7 +37,7 @@ from ..backends.interface import node_step, to_tensor
 from ..enums import RunsAs
 from ..errors import UnsupportedError
 from ..frontends import trace
-from ..graph import PARAM_SOURCES, Graph, map_tree
+from ..graph import PARAM_SOURCES, TRAINING, Graph, map_tree
 from ..hardware import for_options
 from ..ops import get_op
 from ..options import Options
@@ -294,7 +294,11 @@ def _trace_keeping_state(model: nn.Module, inputs: Sequence[torch.Tensor]) -> Gr
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     rng = torch.random.get_rng_state()
     try:
-        return trace(model, inputs)
+        graph = trace(model, inputs)
+        # the passes must not fold a parameter that needs a gradient into a constant
+        # (passes/canonicalize.py): the constant would cut its gradient path
+        graph.meta[TRAINING] = True
+        return graph
     finally:
         torch.random.set_rng_state(rng)
         with torch.no_grad():
