@@ -336,3 +336,34 @@ def test_second_derivative_through_a_fused_group_raises() -> None:
     (g,) = torch.autograd.grad(optimized(x).square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
         g.sum().backward()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "densenet121"])
+def test_torchvision_loss_curve_matches_eager(name: str) -> None:
+    """Twenty SGD-with-momentum steps from the same seed (dropout on, seeded per step):
+    the loss of every step within 1e-3 of eager's, batch-norm running statistics too."""
+    torchvision = pytest.importorskip("torchvision")
+    model = nondegenerate(getattr(torchvision.models, name)(num_classes=10)).train()
+    eager = copy.deepcopy(model)
+    optimized = middleware.optimize(model)
+    curves = []
+    for net in (optimized, eager):
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        gen = torch.Generator().manual_seed(7)
+        losses = []
+        for step in range(20):
+            x = torch.randn(4, 3, 32, 32, generator=gen)
+            target = torch.randint(0, 10, (4,), generator=gen)
+            torch.manual_seed(step)
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), target)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves.append(losses)
+    for step, (g, e) in enumerate(zip(*curves, strict=True)):
+        assert abs(g - e) <= 1e-3 * abs(e), f"{name} step {step}: {g} vs eager {e}"
+    assert isinstance(optimized.plan, TrainingPlan)
+    for (n, b), (_, c) in zip(model.named_buffers(), eager.named_buffers(), strict=True):
+        torch.testing.assert_close(b.float(), c.float(), rtol=1e-3, atol=1e-3 * _scale(c), msg=n)
