@@ -292,7 +292,7 @@ def _cpu_conv1x1_gemm(
     fmt = torch.channels_last if out_t.layout == "nhwc" else torch.contiguous_format
 
     def conv1x1_gemm(x, _w, *rest):
-        out = torch.empty(shape, memory_format=fmt)
+        out = torch.empty(shape, dtype=x.dtype, memory_format=fmt)
         o = out.permute(0, 2, 3, 1).view(rows, k)
         if bias is None:
             torch.mm(_rows(x), wt, out=o)

@@ -205,7 +205,7 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
 
     def conv_direct(x, _w, *rest):
         x = dense(x)
-        y = torch.empty((x.shape[0], *shape), memory_format=cl)
+        y = torch.empty((x.shape[0], *shape), dtype=torch.float32, memory_format=cl)
         r = dense(rest[-1]) if residual else None
         fn(x.data_ptr(), packed.data_ptr(), bias_ptr, r.data_ptr() if r is not None else None,
            y.data_ptr(), x.shape[0])  # fmt: skip

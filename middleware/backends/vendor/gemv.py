@@ -120,7 +120,7 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
 
     def linear_gemv(x, _w, *_rest):
         x = x.contiguous()
-        y = torch.empty((*x.shape[:-1], out_f))
+        y = torch.empty((*x.shape[:-1], out_f), dtype=torch.float32)
         fn(x.data_ptr(), wp, bp, y.data_ptr(), x.numel() // x.shape[-1])
         return y
 

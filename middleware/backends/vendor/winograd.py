@@ -304,8 +304,8 @@ def winograd_kernel(
     def run(x: torch.Tensor, res: torch.Tensor | None, y: torch.Tensor) -> None:
         tiles = tiles_of(x.shape[0], oh, ow)
         chunk = chunk_tiles(c, k, tiles)
-        v_buf = torch.empty(36 * chunk * c)
-        m_buf = torch.empty(36 * chunk * k)
+        v_buf = torch.empty(36 * chunk * c, dtype=torch.float32)
+        m_buf = torch.empty(36 * chunk * k, dtype=torch.float32)
         flags = torch.empty(chunk, dtype=torch.uint8)
         res_ptr = res.data_ptr() if res is not None else None
         xp, fp, wp = x.data_ptr(), flags.data_ptr(), w_direct.data_ptr()
@@ -322,7 +322,7 @@ def winograd_kernel(
 
     def conv_winograd(x, _w, *rest):
         x = dense(x)
-        y = torch.empty((x.shape[0], k, oh, ow), memory_format=cl)
+        y = torch.empty((x.shape[0], k, oh, ow), dtype=torch.float32, memory_format=cl)
         run(x, dense(rest[-1]) if residual else None, y)
         return y
 

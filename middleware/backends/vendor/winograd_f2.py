@@ -341,8 +341,8 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> An
     def run(x: torch.Tensor, res: torch.Tensor | None, y: torch.Tensor) -> None:
         tiles = tiles_of(x.shape[0], oh, ow)
         chunk = chunk_tiles(c, k, tiles)
-        v_buf = torch.empty(pos * chunk * c)
-        m_buf = torch.empty(pos * chunk * k)
+        v_buf = torch.empty(pos * chunk * c, dtype=torch.float32)
+        m_buf = torch.empty(pos * chunk * k, dtype=torch.float32)
         flags = torch.empty(chunk, dtype=torch.uint8)
         res_ptr = res.data_ptr() if res is not None else None
         xp, fp, wp = x.data_ptr(), flags.data_ptr(), w_direct.data_ptr()
@@ -359,7 +359,7 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> An
 
     def conv_winograd_f2(x, _w, *rest):
         x = dense(x)
-        y = torch.empty((x.shape[0], k, oh, ow), memory_format=cl)
+        y = torch.empty((x.shape[0], k, oh, ow), dtype=torch.float32, memory_format=cl)
         run(x, dense(rest[-1]) if ep.residual else None, y)
         return y
 

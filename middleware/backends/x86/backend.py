@@ -99,7 +99,11 @@ def _callables(
         if len(xs) != nin:
             raise TypeError(f"{name} takes {nin} inputs, got {len(xs)}")
         xs = prepare(xs)  # type: ignore[assignment]
-        out = torch.empty(out_shape, device=xs[0].device, memory_format=out_format)
+        # float32 whatever torch's default dtype is: the kernels are float32 C (only
+        # float32 groups are generated)
+        out = torch.empty(
+            out_shape, dtype=torch.float32, device=xs[0].device, memory_format=out_format
+        )
         cfunc(*[x.data_ptr() for x in xs], out.data_ptr())
         return out
 
