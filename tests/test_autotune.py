@@ -439,3 +439,40 @@ def test_the_default_takes_stored_decisions_and_times_nothing(monkeypatch, tmp_p
         m, example_inputs=[x], cache_dir=tmp_path / "other", measure_hardware=False
     )
     assert {r.algorithm for r in fresh.report().rows if r.op == "conv2d"} == {"vendor"}
+
+
+def test_a_stored_approximate_decision_respects_winograd_off(monkeypatch, tmp_path):
+    monkeypatch.setattr(tuning, "TIMER", lambda name, run: 0.1 if name == "winograd_f4x4" else 1.0)
+    tuned = _optimize(tmp_path)
+    assert "winograd_f4x4" in {r.algorithm for r in tuned}
+    tuning.clear_memo()
+    monkeypatch.setattr(tuning, "TIMER", _no_timing)
+    m = _ns["make"]()
+    x = torch.randn(2, 3, 12, 10)
+    opt = middleware.optimize(
+        m, example_inputs=[x], cache_dir=tmp_path, measure_hardware=False, winograd=False
+    )
+    rows = [r for r in opt.report().rows if r.op == "conv2d"]
+    assert "winograd_f4x4" not in {r.algorithm for r in rows}
+    with torch.inference_mode():
+        _close(opt(x), m(x))
+
+
+def test_a_stored_user_algorithm_is_not_the_default(monkeypatch, tmp_path, wrong_but_exact):
+    import torch.nn.functional as F_
+
+    def fast(x, weight, bias, stride, padding, dilation, groups):
+        return F_.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    middleware.register_algorithm("conv2d", "fast_user", fast)
+    try:
+        monkeypatch.setattr(tuning, "TIMER", lambda name, run: 0.1 if name == "fast_user" else 1.0)
+        tuned = _optimize(tmp_path)
+        assert {r.algorithm for r in tuned} == {"fast_user"}
+        tuning.clear_memo()
+        m = _ns["make"]()
+        x = torch.randn(2, 3, 12, 10)
+        opt = middleware.optimize(m, example_inputs=[x], cache_dir=tmp_path, measure_hardware=False)
+        assert "fast_user" not in {r.algorithm for r in opt.report().rows if r.op == "conv2d"}
+    finally:
+        middleware.unregister_algorithm("conv2d", "fast_user")

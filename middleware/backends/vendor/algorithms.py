@@ -682,7 +682,9 @@ def _stored_choice(
     graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
 ) -> Choice | None:
     """The algorithm a stored tuning decision names for ``node``'s problem (as "auto"
-    takes it), or None where there is none (or it no longer builds)."""
+    takes it), or None where there is none, it no longer builds, it is a user's algorithm
+    (those run where asked for only) or it is approximate while ``options.winograd`` is
+    off."""
     names = _candidates(graph, node, device, options)
     if len(names) < 2:
         return None
@@ -691,7 +693,12 @@ def _stored_choice(
     if record is None or record.get("algorithm") not in names:
         return None
     name = record["algorithm"]
-    fn = ALGORITHMS[node.op][name].build(graph, node, device, options, hardware)
+    algorithm = ALGORITHMS[node.op][name]
+    if not algorithm.builtin:
+        return None  # a user's algorithm runs where asked for, never by default
+    if not algorithm.exact and not options.winograd:
+        return None  # winograd=False keeps the default on exact algorithms
+    fn = algorithm.build(graph, node, device, options, hardware)
     if fn is None:
         return None
     how = "in the cache directory" if whence == "cached" else "in this process"
