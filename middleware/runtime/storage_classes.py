@@ -215,6 +215,10 @@ class StorageClasses:
                 root = self.cls.find(x)
                 if self.pinned(root) or self.class_last(root) > i or not self._writable(root, x):
                     continue
+                if any(self.cls.find(v) == root for j, v in enumerate(u.inputs) if j != k):
+                    # another input shares the storage (a slice of it, a view): writing the
+                    # result over x would overwrite what that input still has to read
+                    continue
                 if y in self.outputs and self._structured(root):
                     continue  # keep the concat slices in the arena; the output is fresh
                 self.cls.join(x, y)
