@@ -85,6 +85,9 @@ class OptimizedModule(nn.Module):
         # (and so modify) the user's model.
         object.__setattr__(self, "_original", model)
         object.__setattr__(self, "_compile_fn", compile_fn)
+        # every module of the original: a submodule switched to training mode on its own
+        # (model.eval(); model.bn.train()) makes the call a training one, as in eager
+        object.__setattr__(self, "_all_modules", tuple(model.modules()))
         # mirrors the original's mode; train()/eval() on this module switch the original's
         nn.Module.train(self, model.training)
         self.options = options
@@ -244,7 +247,8 @@ class OptimizedModule(nn.Module):
         except AttributeError:
             self._check_types(inputs)
             raise
-        if self._original.training:  # the inference plans compute eval semantics
+        if self._original.training or any(m.training for m in self._all_modules):
+            # the inference plans compute eval semantics, of every submodule
             return self._forward_train(inputs, (sig, mode_key(self._original)))
         weights = self._weights
         if weights is not None and not weights.current():
