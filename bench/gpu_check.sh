@@ -92,7 +92,7 @@ fi
 "$PY" -c "import islpy" 2>/dev/null || note "   islpy missing: carry its wheel in .whl/ (see the README)"
 
 # 3. tests
-step tests 120 "$RES/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider \
+step tests 120 "$RES/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider -o addopts= \
   -m "not slow or gpu" tests/test_cuda_gpu.py tests/test_cuda_loader.py
 
 # 4. chain, and variants of its kernel (tiled / one thread per output, parts left out)
