@@ -100,7 +100,8 @@ def test_generated_kernels_run_clean_under_the_sanitizers(which, tmp_path):
     base = tmp_path / "pt"
     code = (
         "import pytest\n"
-        f"rc = pytest.main(['-q', '-x', '-p', 'no:cacheprovider', '-m', 'not slow', "
+        # in this process (-n 0): the sanitizer flags are set here, not in xdist workers
+        f"rc = pytest.main(['-q', '-x', '-n', '0', '-p', 'no:cacheprovider', '-m', 'not slow', "
         f"'--basetemp', {str(base)!r}, *{TESTS[which]!r}])\n"
         # the kernels really were built with the sanitizers: they link its runtime
         f"n = sum(b'libasan' in p.read_bytes() for p in Path({str(base)!r}).rglob('*.so'))\n"
