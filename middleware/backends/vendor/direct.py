@@ -22,24 +22,18 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from ...errors import CompileError
 from ...graph import Graph, Node
 from ...hardware import Hardware
-from ...loops import Acc, NotFusable
-from ...ops import activation_expr
 from ...options import Options
-from ..x86.build import load_shared
-from ..x86.cfuncs import c_expr
-from ..x86.compile import build_c
 from ..x86.render import environment
 from .calls import _conv_geometry, activation_attrs
+from .generated import activation_c, activation_why_not, load_kernel
 
 Kernel = Callable[..., Any]
 
@@ -71,13 +65,7 @@ def why_not(graph: Graph, node: Node, device: torch.device) -> str | None:
     residual = bool(node.attrs.get("residual", False))
     if len(node.inputs) - int(residual) == 3 and node.inputs[2] not in graph.params:
         return "bias is computed"
-    name, attrs = activation_attrs(node)
-    if name:
-        try:
-            activation_expr(name, attrs, Acc())
-        except NotFusable:
-            return f"activation {name} has no loop semantics"
-    return None
+    return activation_why_not(node)
 
 
 def _geometry(graph: Graph, node: Node) -> dict[str, int]:
@@ -129,10 +117,8 @@ def render(graph: Graph, node: Node, threads: int) -> tuple[str, str]:
     geo = _geometry(graph, node)
     residual = bool(node.attrs.get("residual", False))
     bias = len(node.inputs) - int(residual) == 3
-    name, attrs = activation_attrs(node)
-    act = "acc_v"
-    if name:
-        act = c_expr(activation_expr(name, attrs, Acc()), lambda x: "")
+    name, _ = activation_attrs(node)
+    act = activation_c(node)
     text = "conv(x)" + (" + bias" if bias else "") + (" + residual" if residual else "")
     text = f"{name}({text})" if name else text
     depthwise = _depthwise(geo)
@@ -164,24 +150,18 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
     does not apply or failed to compile (warned; ``options.strict`` raises)."""
     if why_not(graph, node, torch.device("cpu")) is not None:
         return None
-    try:
-        kname, src = render(graph, node, hardware.cores)
-        built = build_c(
-            kname, src, options.cache_dir, key_extra=(options.codegen_key(), hardware.key())
-        )
-    except CompileError as e:
-        if options.strict:
-            raise
-        warnings.warn(
-            f"{node.name} runs as oneDNN's convolution: its direct kernel failed to "
-            f"compile; source: {e.source_path}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    kname, src = render(graph, node, hardware.cores)
+    fn = load_kernel(
+        node,
+        kname,
+        src,
+        [ctypes.c_void_p] * 5 + [ctypes.c_int],
+        options,
+        hardware,
+        "oneDNN's convolution",
+    )
+    if fn is None:
         return None
-    fn = getattr(load_shared(built.binary), kname)
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int]
 
     geo = _geometry(graph, node)
     out_t = graph.values[node.outputs[0]]

@@ -13,24 +13,18 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from ...errors import CompileError
 from ...graph import Graph, Node
 from ...hardware import Hardware
-from ...loops import Acc, NotFusable
-from ...ops import activation_expr
 from ...options import Options
-from ..x86.build import load_shared
-from ..x86.cfuncs import c_expr
-from ..x86.compile import build_c
 from ..x86.render import environment
 from .calls import activation_attrs
+from .generated import activation_c, activation_why_not, load_kernel
 
 Kernel = Callable[..., Any]
 
@@ -60,23 +54,15 @@ def why_not(graph: Graph, node: Node, device: torch.device) -> str | None:
     rows = rows_of(graph, node)
     if rows > MAX_ROWS:
         return f"{rows} rows: a GEMV pays below {MAX_ROWS + 1} (above, the weight is reused)"
-    name, attrs = activation_attrs(node)
-    if name:
-        try:
-            activation_expr(name, attrs, Acc())
-        except NotFusable:
-            return f"activation {name} has no loop semantics"
-    return None
+    return activation_why_not(node)
 
 
 def render(graph: Graph, node: Node, threads: int) -> tuple[str, str]:
     w_t = graph.values[node.inputs[1]]
     out_f, in_f = w_t.shape
     bias = len(node.inputs) > 2
-    name, attrs = activation_attrs(node)
-    act = "acc_v"
-    if name:
-        act = c_expr(activation_expr(name, attrs, Acc()), lambda x: "")
+    name, _ = activation_attrs(node)
+    act = activation_c(node)
     text = "sum_i W[o][i] * x[r][i]" + (" + b[o]" if bias else "")
     text = f"{name}({text})" if name else text
     fields = dict(
@@ -93,24 +79,18 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
     None where the GEMV does not apply or failed to compile (warned; strict raises)."""
     if why_not(graph, node, torch.device("cpu")) is not None:
         return None
-    try:
-        kname, src = render(graph, node, hardware.cores)
-        built = build_c(
-            kname, src, options.cache_dir, key_extra=(options.codegen_key(), hardware.key())
-        )
-    except CompileError as e:
-        if options.strict:
-            raise
-        warnings.warn(
-            f"{node.name} runs as the vendor's linear: its GEMV failed to compile; source: "
-            f"{e.source_path}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    kname, src = render(graph, node, hardware.cores)
+    fn = load_kernel(
+        node,
+        kname,
+        src,
+        [ctypes.c_void_p] * 4 + [ctypes.c_long],
+        options,
+        hardware,
+        "the vendor's linear",
+    )
+    if fn is None:
         return None
-    fn = getattr(load_shared(built.binary), kname)
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long]
     weight = torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[1]], np.float32))
     bias = None
     if len(node.inputs) > 2:
