@@ -1,0 +1,113 @@
+"""Graph outputs written into memory the user let go of (``planned_steps.Recycled``).
+
+A later call must never write into an output, or a view, storage, NumPy array or DLPack
+capsule of one, that the user still holds; memory nobody holds is reused (no new pages).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import middleware
+from middleware.runtime.planned_steps import Recycled
+
+
+class Residual(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + y) * 2.0
+
+
+def _model_and_inputs(layout: str) -> tuple[nn.Module, list[torch.Tensor]]:
+    shape = (2, 32, 48, 48)  # 576 KiB of output: above Recycled.MIN_BYTES
+    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(shape, generator=g).contiguous(memory_format=fmt) for _ in range(2)]
+    return Residual().eval(), xs
+
+
+def _holders(y: torch.Tensor, how: str) -> tuple[object, Callable[[object], torch.Tensor]]:
+    """What the user keeps of output ``y`` (dropping ``y`` itself), and how to read it at
+    the end (nothing else may hold the storage meanwhile)."""
+    shape, stride, off = tuple(y.shape), y.stride(), y.storage_offset()
+    if how == "tensor":
+        return y, lambda t: t
+    if how == "view":
+        return y[1:], lambda v: v
+    if how == "storage":
+        return y.untyped_storage(), lambda st: torch.empty(0).set_(st, off, shape, stride)
+    if how == "numpy":
+        return y.numpy(), torch.from_numpy
+    if how == "dlpack":
+        return torch.utils.dlpack.to_dlpack(y), torch.from_dlpack
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_held_outputs_are_never_overwritten(layout: str) -> None:
+    model, xs = _model_and_inputs(layout)
+    opt = middleware.optimize(model, example_inputs=xs)
+    rng = random.Random(1)
+    held: list[tuple[str, object, Callable[[object], torch.Tensor], torch.Tensor]] = []
+    ptrs: set[int] = set()
+    reused = 0
+    for call in range(40):
+        scale = 1.0 + call
+        ins = [x * scale for x in xs]
+        y = opt(*ins)
+        ref = model(*ins)
+        assert torch.equal(y, ref)
+        reused += y.data_ptr() in ptrs
+        ptrs.add(y.data_ptr())
+        how = rng.choice(["drop"] * 4 + ["tensor", "view", "storage", "numpy", "dlpack"])
+        if how != "drop":
+            obj, read = _holders(y, how)
+            want = ref[1:] if how == "view" else ref
+            held.append((how, obj, read, want.clone()))
+        del y
+        if held and rng.random() < 0.5:  # the user lets go of something held before
+            held.pop(rng.randrange(len(held)))
+    assert held
+    for how, obj, read, want in held:
+        assert torch.equal(read(obj).reshape(want.shape), want), how
+    assert reused >= 10  # memory was reused while other outputs were held
+
+
+def test_dropped_output_memory_is_reused() -> None:
+    model, xs = _model_and_inputs("nchw")
+    opt = middleware.optimize(model, example_inputs=xs)
+    first = opt(*xs).data_ptr()  # dropped at once
+    y = opt(*xs)
+    assert y.data_ptr() == first
+    z = opt(*xs)  # y is held: another buffer
+    assert z.data_ptr() != y.data_ptr()
+    assert torch.equal(y, z) and torch.equal(z, model(*xs))
+
+
+def test_shared_memory_output_is_not_reused() -> None:
+    model, xs = _model_and_inputs("nchw")
+    opt = middleware.optimize(model, example_inputs=xs)
+    y = opt(*xs)
+    y.share_memory_()  # moved to a shared-memory file another process could map
+    st = y.untyped_storage()
+    ptr = st.data_ptr()
+    want = y.clone()
+    del y
+    for _ in range(3):
+        opt(*[x * 3 for x in xs])
+    assert torch.equal(torch.empty(0).set_(st, 0, want.shape, want.stride()), want)
+    assert st.data_ptr() == ptr
+
+
+def test_small_outputs_and_other_devices_are_left_to_the_allocator() -> None:
+    from middleware.graph import TensorType
+
+    assert not Recycled.applies(TensorType((4, 1000)), torch.device("cpu"))
+    assert Recycled.applies(TensorType((16, 64, 56, 56)), torch.device("cpu"))
+    assert not Recycled.applies(TensorType((16, 64, 56, 56)), torch.device("cuda"))
+    np.testing.assert_equal(Recycled.KEEP >= 2, True)
