@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from . import loops
 from .enums import Bound
 from .graph import Graph, Node
-from .op_registry import Kernel, OpDef, OutForm, OutVariant, register
+from .op_registry import GradEmitter, GradRule, Kernel, OpDef, OutForm, OutVariant, register
 
 
 def _batch_norm(node: Node) -> Kernel:
@@ -110,13 +110,77 @@ def _binary_out(fn: Callable[..., Any], has_alpha: bool) -> Callable[[Node, Grap
     return make
 
 
+# ------------------------------------------------------------------- backward rules
+# PyTorch's formulas (tools/autograd/derivatives.yaml): add/sub ``gy`` and ``gy * alpha``
+# (``-gy * alpha`` for sub's right operand), mul ``gy * other``, div ``gy / other`` and
+# ``-gy * ((self / other) / other)``. A scalar operand (attr ``scalar``, ``reverse``: on
+# the left) gets no gradient; a gradient of a broadcast operand has the output's shape
+# (the caller sums it down).
+def _operands(node: Node) -> tuple[str | float, str | float]:
+    """(left, right): value names, or the scalar attr where it is an operand."""
+    if node.attrs.get("scalar") is None:
+        a, b = node.inputs
+        return a, b
+    (x,) = node.inputs
+    scalar = float(node.attrs["scalar"])
+    return (scalar, x) if node.attrs.get("reverse") else (x, scalar)
+
+
+def _scaled(e: GradEmitter, gy: str, factor: float) -> str:
+    return gy if factor == 1.0 else e.emit("mul", (gy,), {"scalar": factor})
+
+
+def _times(e: GradEmitter, op: str, g: str, v: str | float) -> str:
+    """``op(g, v)`` for a value ``v`` or a scalar."""
+    if isinstance(v, str):
+        return e.emit(op, (g, v))
+    return e.emit(op, (g,), {"scalar": v})
+
+
+def _per_input(node: Node, left: str | None, right: str | None) -> tuple[str | None, ...]:
+    a, b = _operands(node)
+    return tuple(g for v, g in ((a, left), (b, right)) if isinstance(v, str))
+
+
+def _add_sub_grad(sign: float) -> GradRule:
+    def add_sub_grad(e: GradEmitter, node: Node, gy: str) -> tuple[str | None, ...]:
+        alpha = float(node.attrs.get("alpha", 1))
+        a, b = _operands(node)
+        left = gy if isinstance(a, str) else None
+        right = _scaled(e, gy, sign * alpha) if isinstance(b, str) else None
+        return _per_input(node, left, right)
+
+    return add_sub_grad
+
+
+def _mul_grad(e: GradEmitter, node: Node, gy: str) -> tuple[str | None, ...]:
+    a, b = _operands(node)
+    left = _times(e, "mul", gy, b) if isinstance(a, str) else None
+    right = _times(e, "mul", gy, a) if isinstance(b, str) else None
+    return _per_input(node, left, right)
+
+
+def _div_grad(e: GradEmitter, node: Node, gy: str) -> tuple[str | None, ...]:
+    a, b = _operands(node)
+    left = _times(e, "div", gy, b) if isinstance(a, str) else None
+    right = None
+    if isinstance(b, str):
+        if isinstance(a, str):
+            q = e.emit("div", (a, b))
+        else:
+            q = e.emit("div", (b,), {"scalar": a, "reverse": True})
+        q = e.emit("div", (q, b))
+        right = e.emit("mul", (e.emit("mul", (gy,), {"scalar": -1.0}), q))
+    return _per_input(node, left, right)
+
+
 # (name, ATen function, takes alpha, the inputs its result may overwrite: the commutative
-# ops either operand)
-for _name, _fn, _alpha, _inplace in (
-    ("add", torch.add, True, (0, 1)),
-    ("sub", torch.sub, True, (0,)),
-    ("mul", torch.mul, False, (0, 1)),
-    ("div", torch.div, False, (0,)),
+# ops either operand, backward rule)
+for _name, _fn, _alpha, _inplace, _grad in (
+    ("add", torch.add, True, (0, 1), _add_sub_grad(1.0)),
+    ("sub", torch.sub, True, (0,), _add_sub_grad(-1.0)),
+    ("mul", torch.mul, False, (0, 1), _mul_grad),
+    ("div", torch.div, False, (0,), _div_grad),
 ):
     register(
         OpDef(
@@ -126,5 +190,6 @@ for _name, _fn, _alpha, _inplace in (
             elementwise=True,
             loops=loops.binary(_name),
             out=OutVariant(_binary_out(_fn, _alpha), _inplace),
+            grad=_grad,
         )
     )

@@ -11,7 +11,7 @@ import torch
 from . import loops
 from .enums import Bound
 from .graph import Graph, Node
-from .op_registry import Kernel, OpDef, OutForm, OutVariant, register
+from .op_registry import GradEmitter, Kernel, OpDef, OutForm, OutVariant, register
 
 
 def _cat(node: Node) -> Kernel:
@@ -214,6 +214,11 @@ def _to_layout(node: Node) -> Kernel:
     return to_layout
 
 
+def _to_layout_grad(e: GradEmitter, node: Node, gy: str) -> tuple[str | None, ...]:
+    """The output gradient in the input's memory order (training's backward rules)."""
+    return (e.emit("to_layout", (gy,), {"layout": e.type_of(node.inputs[0]).layout}),)
+
+
 # a change of memory order only: output element i is input element i; on logical
 # (n, c, h, w) indices the identity (each value's loads and stores follow its own layout)
 register(
@@ -226,6 +231,7 @@ register(
         loops=loops.view_loops,
         copies_permuted=True,
         layout_preserving=False,  # sets its own order
+        grad=_to_layout_grad,
     )
 )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -69,6 +69,47 @@ class VendorPostOp:
         if self.algorithm_key is None:
             return True
         return attrs.get(self.algorithm_key, self.algorithms[0]) in self.algorithms
+
+
+class GradEmitter(Protocol):
+    """What a backward rule (an entry's ``grad``) emits into: ``emit(op, inputs, attrs)``
+    adds a node of registry op ``op`` over the named values and returns its output's name;
+    ``type_of(value)`` is a value's :class:`TensorType`."""
+
+    def emit(
+        self, op: str, inputs: Sequence[str], attrs: Mapping[str, Any] | None = None
+    ) -> str: ...
+
+    def type_of(self, value: str) -> TensorType: ...
+
+
+# A backward rule: ``rule(emitter, node, gy)`` emits the gradients of ``node``'s inputs as
+# nodes of registry ops (forward ops: add, mul, div, ``pointwise_grad``, ...) over the
+# node's own input and output values (recomputed by the backward graph) and ``gy``, the
+# gradient of its output; it returns one value name per input (None: no gradient flows
+# to that input, a scalar operand say). A gradient may have the node's output shape where
+# the input was broadcast: the caller sums it down (``passes/autodiff.py``).
+GradRule = Callable[[GradEmitter, Node, str], tuple[str | None, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PointwiseGrad:
+    """The backward of an elementwise op of one input (an activation): ``expr(attrs, x,
+    gy)`` is the input's gradient element from the input element ``x`` and the output
+    gradient element ``gy`` (over ``loops.FUNCTIONS``, with PyTorch's subgradients and NaN
+    behaviour: its backward formula, not the textbook's), ``reference(attrs)`` is PyTorch's
+    own backward call as ``fn(x, gy) -> dx`` (ATen's ``*_backward``), the golden model."""
+
+    expr: Callable[[Mapping[str, Any], Expr, Expr], Expr]
+    reference: Callable[[Mapping[str, Any]], Kernel]
+    flops_per_elem: float = 3.0
+
+
+def pointwise_grad_rule(emitter: GradEmitter, node: Node, gy: str) -> tuple[str | None, ...]:
+    """The backward rule of an op with a :class:`PointwiseGrad`: one ``pointwise_grad``
+    node over the forward input and ``gy``."""
+    attrs = {"of": node.op, "of_attrs": tuple(sorted(node.attrs.items()))}
+    return (emitter.emit("pointwise_grad", (node.inputs[0], gy), attrs),)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one entry per op: compared and hashed by identity
@@ -133,8 +174,16 @@ class OpDef:
     # view it so: reshape/flatten of a transposed value, contiguous, to_layout); the buffer
     # planner then gives the result a storage class of its own.
     copies_permuted: bool = False
+    # Backward (training plans' generated backward kernels, ``passes/autodiff.py``): the
+    # rule emitting the inputs' gradients as graph nodes (:data:`GradRule`); an activation
+    # gives ``pointwise_grad`` instead (its rule is then :func:`pointwise_grad_rule`). None:
+    # the op has no generated backward (its group's backward recomputes through PyTorch).
+    grad: GradRule | None = None
+    pointwise_grad: PointwiseGrad | None = None
 
     def __post_init__(self) -> None:
+        if self.grad is None and self.pointwise_grad is not None:
+            object.__setattr__(self, "grad", pointwise_grad_rule)
         if self.per_sample is None:
             object.__setattr__(self, "per_sample", self.elementwise)
         if self.layout_preserving is None:

@@ -8,9 +8,15 @@ optimizer's in-place updates are what the next step reads.
 
 - Each generated io group (``backends/cpu/units.fusion_units``) is one
   :class:`torch.autograd.Function` (:class:`FusedGroup`): its forward is the generated
-  depth-first kernel, it saves only the group's inputs, and its backward recomputes the
-  group's intermediates from them with the nodes' catalogue implementations and
-  differentiates them (``torch.autograd.grad``): recomputation instead of storing.
+  depth-first kernel and it saves only the group's inputs. Its backward is generated too
+  where every node has a backward rule in the op registry (:class:`GeneratedBackward`:
+  ``passes/autodiff.differentiate`` builds one backward graph per input gradient, which
+  recomputes the forward nodes it needs from the saved inputs, and the same code
+  generator makes it a depth-first kernel: intermediates recomputed inside its tiles, not
+  stored). Elsewhere (no rule: pooling, views, concat; a broadcast intermediate whose
+  gradient needs a reduction; a compile failure) the backward recomputes the group's
+  intermediates with the nodes' catalogue implementations and differentiates them
+  (``torch.autograd.grad``); ``report()`` says which, and why, per group.
 - Convolutions, matrix products and every other node run through their catalogue
   implementations (PyTorch's functional ops), whose backward is the framework's.
 - Batch-norm in training mode and dropout are the frontend's ``fallback`` nodes: the user's
@@ -23,7 +29,9 @@ runs as the original (with autograd), the reason in ``report()``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,10 +46,12 @@ from ..enums import RunsAs
 from ..errors import UnsupportedError
 from ..frontends import trace
 from ..graph import PARAM_SOURCES, TRAINING, Graph, map_tree
-from ..hardware import for_options
+from ..hardware import Hardware, for_options
+from ..loops import NotFusable
 from ..ops import get_op
 from ..options import Options
 from ..passes import run_passes
+from ..passes.autodiff import differentiate
 from .plan import Step
 from .report import Report, make_report
 
@@ -86,7 +96,63 @@ class _GroupFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
         group: FusedGroup = ctx.group
         need = ctx.needs_input_grad[1:]
+        if group.backward is not None:
+            return (None, *group.backward(ctx.saved_tensors, need, grads))
         return (None, *group.input_grads(ctx.saved_tensors, need, grads))
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratedGradient:
+    """One input's gradient: ``kernel(*args)`` (values by name: the group's inputs and the
+    output gradient), or the value ``args[0]`` itself where ``kernel`` is None (an add's
+    operand), summed to ``sum_to`` where the input was broadcast (through PyTorch)."""
+
+    name: str
+    value: str  # the gradient's value in the backward graph (inputs sharing it share a call)
+    kernel: Callable[..., torch.Tensor] | None
+    args: tuple[str, ...]
+    sum_to: tuple[int, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratedBackward:
+    """A group's backward as generated kernels (``passes/autodiff.py``), one per distinct
+    input gradient; ``inputs`` and ``grad_output`` name the values its kernels read."""
+
+    inputs: tuple[str, ...]
+    grad_output: str
+    gradients: tuple[GeneratedGradient | None, ...]
+
+    def kernels(self) -> list[str]:
+        """The kernels' names, one per distinct gradient (two may share a name)."""
+        by_value = {g.value: g.name for g in self.gradients if g and g.kernel}
+        return list(by_value.values())
+
+    def __call__(
+        self,
+        saved: Sequence[torch.Tensor],
+        need: Sequence[bool],
+        grads: Sequence[torch.Tensor | None],
+    ) -> list[torch.Tensor | None]:
+        (gy,) = grads
+        if gy is None:
+            return [None] * len(saved)
+        env = dict(zip(self.inputs, saved, strict=True))
+        env[self.grad_output] = gy
+        done: dict[str, torch.Tensor] = {}
+        out: list[torch.Tensor | None] = []
+        for g, n in zip(self.gradients, need, strict=True):
+            if g is None or not n:
+                out.append(None)
+                continue
+            if g.kernel is None:
+                r = env[g.args[0]]
+            else:
+                r = done.get(g.value)
+                if r is None:
+                    r = done[g.value] = g.kernel(*[env[a] for a in g.args])
+            out.append(r if g.sum_to is None else r.sum_to_size(g.sum_to))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +168,13 @@ class FusedGroup:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     nodes: tuple[tuple[Callable[..., Any], tuple[str, ...], tuple[str, ...]], ...]
+    # the generated backward; None: recompute through PyTorch (``input_grads``)
+    backward: GeneratedBackward | None = None
 
     @staticmethod
-    def of(graph: Graph, name: str, kernel: Callable[..., Any], inputs, outputs, nodes):  # noqa: ANN001, ANN205
+    def of(
+        graph: Graph, name: str, kernel: Callable[..., Any], inputs, outputs, nodes, backward=None
+    ):  # noqa: ANN001, ANN205
         steps = tuple(
             (
                 get_op(graph.node(n).op).bind(graph.node(n)),
@@ -113,7 +183,7 @@ class FusedGroup:
             )
             for n in nodes
         )
-        return FusedGroup(name, kernel, tuple(inputs), tuple(outputs), steps)
+        return FusedGroup(name, kernel, tuple(inputs), tuple(outputs), steps, backward)
 
     def __call__(self, *xs: torch.Tensor) -> Any:
         if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
@@ -283,7 +353,9 @@ def compile_training(
     if options.fuse:
         fused, failed = fusion_units(backend, graph, options, hardware, why)
         why.update(failed)
-    plan = _assemble(graph, fused, why, constants, owned, device)
+    _drop_unusable(graph, fused, why, owned)
+    backward = backward_kernels(backend, graph, fused, options, hardware)
+    plan = _assemble(graph, fused, why, constants, device, backward)
     return graph, plan, make_report(graph, plan, hardware)
 
 
@@ -343,26 +415,11 @@ def _bind_weights(
     return constants, owned, sorted(n for i, n in needed.items() if i not in kept)
 
 
-def _assemble(
-    graph: Graph,
-    fused: dict[str, Any],
-    why: dict[str, str],
-    constants: dict[str, torch.Tensor],
-    owned: set[str],
-    device: torch.device,
-) -> TrainingPlan:
-    slot_of: dict[str, int] = {}
-
-    def slot(v: str) -> int:
-        return slot_of.setdefault(v, len(slot_of))
-
-    for v in graph.inputs:
-        slot(v)
-    const_slots = {slot(name): t for name, t in constants.items()}
-    units: list[
-        tuple[str, RunsAs, Callable[..., Any], Sequence[str], Sequence[str], tuple, str]
-    ] = []
-    state: list[torch.Tensor] = []
+def _drop_unusable(
+    graph: Graph, fused: dict[str, Any], why: dict[str, str], owned: set[str]
+) -> None:
+    """Drop (in place, the reason in ``why``) the generated groups a training plan does
+    not use: a kernel holding a user tensor as a constant, a group of one op."""
     for key, u in list(fused.items()):
         baked = [
             v
@@ -381,12 +438,117 @@ def _assemble(
         if len(u.nodes) == 1:
             del fused[key]
             why[u.nodes[0]] = SINGLE_OP_REASON
+
+
+def backward_kernels(
+    backend: Any,
+    graph: Graph,
+    fused: dict[str, Any],
+    options: Options,
+    hardware: Hardware,
+) -> dict[str, tuple[GeneratedBackward | None, str]]:
+    """Per generated group (keyed as ``fused``): its generated backward, or None and why
+    its backward recomputes through PyTorch. The kernels build from a thread pool, as the
+    forward groups do (``fusion_units``)."""
+    result: dict[str, tuple[GeneratedBackward | None, str]] = {}
+    todo: list[tuple[str, Any, int, Any]] = []  # (group key, Backward, index, gradient)
+    derived: dict[str, Any] = {}
+    for key, u in fused.items():
+        if len(u.outputs) != 1:
+            result[key] = (None, f"{len(u.outputs)} outputs")
+            continue
+        try:
+            derived[key] = differentiate(graph, u.nodes, u.inputs, u.outputs[0])
+        except NotFusable as e:
+            result[key] = (None, str(e))
+            continue
+        seen: set[str] = set()
+        for i, g in enumerate(derived[key].gradients):
+            if g is not None and g.nodes and g.value not in seen:
+                seen.add(g.value)
+                todo.append((key, derived[key], i, g))
+    workers = max(1, min(len(todo), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [
+            pool.submit(_build_gradient, backend, g, options, hardware) for _, _, _, g in todo
+        ]
+        built = [f.result() for f in futures]
+    kernels: dict[tuple[str, str], Any] = {}
+    for (key, _, _, g), (kernel, err) in zip(todo, built, strict=True):
+        if err is not None:
+            result.setdefault(key, (None, f"generating the gradient of {g.input} failed: {err}"))
+        else:
+            kernels[(key, g.value)] = kernel
+    for key, b in derived.items():
+        if key in result:
+            continue
+        grads: list[GeneratedGradient | None] = []
+        for g in b.gradients:
+            if g is None:
+                grads.append(None)
+            elif not g.nodes:
+                grads.append(GeneratedGradient(g.value, g.value, None, (g.value,), g.sum_to))
+            else:
+                k = kernels[(key, g.value)]
+                grads.append(GeneratedGradient(k.name, g.value, k.fn, tuple(k.inputs), g.sum_to))
+        result[key] = (GeneratedBackward(tuple(fused[key].inputs), b.grad_output, tuple(grads)), "")
+    return result
+
+
+def _build_gradient(
+    backend: Any, g: Any, options: Options, hardware: Hardware
+) -> tuple[Any, str | None]:
+    try:
+        kernel = backend.build(g.graph, g.nodes, options, hardware)
+    except NotFusable as e:
+        return None, f"not fusable: {e}"
+    except Exception as e:  # noqa: BLE001 - a generator failure keeps the PyTorch backward
+        return None, f"{type(e).__name__}: {e}"
+    if tuple(kernel.outputs) != (g.value,):
+        return None, f"its kernel writes {kernel.outputs}, not {g.value}"
+    return kernel, None
+
+
+def backward_note(backward: GeneratedBackward | None, why: str) -> str:
+    """The report's words on a generated group's backward."""
+    if backward is not None:
+        names = backward.kernels()
+        if not names:
+            return "backward: generated (the output gradient passes through; no kernel)"
+        return f"backward: generated ({', '.join(names)}), recomputing from the group's inputs"
+    return f"backward: PyTorch recompute + autograd ({why})"
+
+
+def _assemble(
+    graph: Graph,
+    fused: dict[str, Any],
+    why: dict[str, str],
+    constants: dict[str, torch.Tensor],
+    device: torch.device,
+    backward: dict[str, tuple[GeneratedBackward | None, str]],
+) -> TrainingPlan:
+    slot_of: dict[str, int] = {}
+
+    def slot(v: str) -> int:
+        return slot_of.setdefault(v, len(slot_of))
+
+    for v in graph.inputs:
+        slot(v)
+    const_slots = {slot(name): t for name, t in constants.items()}
+    units: list[
+        tuple[str, RunsAs, Callable[..., Any], Sequence[str], Sequence[str], tuple, str]
+    ] = []
+    state: list[torch.Tensor] = []
     covered = {n for u in fused.values() for n in u.nodes}
     for n in graph.nodes():
         if n.name in fused:
             u = fused[n.name]
-            group = FusedGroup.of(graph, u.name, u.fn, u.inputs, u.outputs, u.nodes)
-            units.append((u.name, RunsAs.GENERATED, group, u.inputs, u.outputs, tuple(u.nodes), ""))
+            bwd, bwd_why = backward.get(n.name, (None, "not derived"))
+            group = FusedGroup.of(graph, u.name, u.fn, u.inputs, u.outputs, u.nodes, bwd)
+            note = backward_note(bwd, bwd_why)
+            units.append(
+                (u.name, RunsAs.GENERATED, group, u.inputs, u.outputs, tuple(u.nodes), note)
+            )
             continue
         if n.name in covered:
             continue

@@ -54,7 +54,8 @@ _ERF = np.frompyfunc(math.erf, 1, 1)
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
-    return _f32(_ERF(np.asarray(x, dtype=np.float64)).astype(np.float64))
+    # np.asarray: on a 0-d operand frompyfunc returns a Python float
+    return _f32(np.asarray(_ERF(np.asarray(x, dtype=np.float64)), dtype=np.float64))
 
 
 FUNCTIONS: dict[str, Callable[..., np.ndarray]] = {
