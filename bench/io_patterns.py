@@ -16,8 +16,11 @@ streams the same bytes (reads every input byte once, writes every output byte on
 OpenMP C through the same compiler and flags, regular and non-temporal stores, the
 faster counts) and a STREAM triad. Outputs are checked against eager first. Medians are
 reported; ``% stream`` is the pattern's bytes (inputs + output) per second through
-``optimize()`` as a share of the streaming kernel's, ``% triad`` as a share of the triad's
-(the triad's GB/s says how quiet the host was).
+``optimize()`` as a share of the streaming kernel's (per round, the streaming kernel's time
+over ``optimize()``'s in the same round; the median of those: the two ran moments apart,
+so the host's drift between rounds cancels), ``% triad`` as a share of the triad's (the
+triad's GB/s says how quiet the host was); ``faults``: page faults per call of
+``optimize()`` (and of the fastest PyTorch way).
 
     python bench/io_patterns.py [--rounds 25] [--batch 16] [--patterns chain residual]
         [--layouts nchw nhwc] [--compile] [--one-core]
@@ -37,6 +40,7 @@ import ctypes
 import gc
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -264,6 +268,7 @@ def bench_case(
             err = (got - ref).abs().max().item() / scale
             assert err < 1e-5, f"{name} {layout} {k}: relative error {err}"
     times: dict[str, list[float]] = {k: [] for k in runs}
+    faults: dict[str, int] = {k: 0 for k in runs}
     order = random.Random(hash((name, layout)) & 0xFFFF)
     clock = time.thread_time if args.one_core else time.perf_counter
     gc.collect()
@@ -273,22 +278,35 @@ def bench_case(
             keys = list(runs)
             order.shuffle(keys)
             for k in keys:
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0 = clock()
                 runs[k]()
                 dt = clock() - t0
                 if r >= args.warmup:
                     times[k].append(dt)
+                    faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     gc.enable()
     med = {k: statistics.median(v) for k, v in times.items()}
     nbytes = in_bytes + out_bytes
     torch_keys = [k for k in med if k.startswith(("eager", "torch.compile"))]
     fastest = min(torch_keys, key=lambda k: med[k])
-    stream_t = min(med["stream"], med["stream nt"])
+    stream_k = min(("stream", "stream nt"), key=lambda k: med[k])
+    stream_t = med[stream_k]
+
+    def paired(k: str) -> float:
+        """The median over rounds of the streaming kernel's time over ``k``'s in the same
+        round (the two ran moments apart: the host's drift cancels)."""
+        return 100 * statistics.median(
+            a / b for a, b in zip(times[stream_k], times[k], strict=True)
+        )
+
     triad_gbs = triad_bytes / med["triad"] / 1e9
     mw = med["middleware"]
     kern = med.get("kernel")
     return dict(
-        kernel_pct=100 * stream_t / kern if kern else float("nan"),
+        kernel_pct=paired("kernel") if kern else float("nan"),
+        faults=faults["middleware"] / args.rounds,
+        faults_torch=faults[fastest] / args.rounds,
         name=name,
         layout=layout,
         mb=nbytes / 1e6,
@@ -296,7 +314,7 @@ def bench_case(
         mw_gbs=nbytes / mw / 1e9,
         stream_gbs=nbytes / stream_t / 1e9,
         stream_nt=med["stream nt"] < med["stream"],
-        pct_stream=100 * stream_t / mw,
+        pct_stream=paired("middleware"),
         triad_gbs=triad_gbs,
         pct_triad=100 * nbytes / mw / 1e9 / triad_gbs,
         torch_ms=med[fastest] * 1e3,
@@ -382,7 +400,7 @@ def main() -> None:
     head = (
         f"{'pattern':15s} {'layout':6s} {'MB':>6s} {'mw ms':>7s} {'mw GB/s':>8s} "
         f"{'stream GB/s':>11s} {'% stream':>8s} {'triad GB/s':>10s} {'% triad':>7s} "
-        f"{'torch ms':>8s} {'x torch':>7s} {'kernel %':>8s}  fastest torch"
+        f"{'torch ms':>8s} {'x torch':>7s} {'kernel %':>8s} {'faults':>6s}  fastest torch"
     )
     print(head)
     for r in rows:
@@ -390,11 +408,14 @@ def main() -> None:
             f"{r['name']:15s} {r['layout']:6s} {r['mb']:6.1f} {r['mw_ms']:7.2f} "
             f"{r['mw_gbs']:8.1f} {r['stream_gbs']:10.1f}{'*' if r['stream_nt'] else ' '} "
             f"{r['pct_stream']:7.0f}% {r['triad_gbs']:10.1f} {r['pct_triad']:6.0f}% "
-            f"{r['torch_ms']:8.2f} {r['speedup']:7.2f} {r['kernel_pct']:7.0f}%  {r['torch_what']}"
+            f"{r['torch_ms']:8.2f} {r['speedup']:7.2f} {r['kernel_pct']:7.0f}% "
+            f"{r['faults']:6.0f}  {r['torch_what']} ({r['faults_torch']:.0f} faults)"
         )
     print(
-        "(* the streaming kernel was faster with non-temporal stores; kernel %: the generated "
-        "kernel writing a preallocated output, as the streaming kernel does, against it)"
+        "(* the streaming kernel was faster with non-temporal stores; % stream and kernel %: "
+        "the median over rounds of the streaming kernel's time over optimize()'s, or over the "
+        "generated kernel's writing a preallocated output as the streaming kernel does, in "
+        "the same round; faults: page faults per call)"
     )
     worst = min(rows, key=lambda r: r["pct_stream"])
     print(

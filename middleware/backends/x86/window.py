@@ -67,10 +67,13 @@ MAX_DIVISOR_TABLE = 65536
 # The largest output plane staged for non-temporal stores (floats, per thread).
 MAX_STAGED_PLANE = 16384
 # Software prefetch of the row pass: this many bytes of input rows ahead (at least one
-# output row). Measured on one core, BN -> ReLU -> 3x3/2 max-pool NCHW 16x64x112x112
-# (rows of 448 bytes): no prefetch 75% of the streaming kernel, 1 output row (896 bytes)
-# ahead 77%, 2 rows 82%, 4 rows 85%, 8 rows 85%; _MM_HINT_T1 82%, _MM_HINT_NTA 68%.
-PREFETCH_BYTES = 3584
+# output row), into L2 (_MM_HINT_T1). Measured on one core, BN -> ReLU -> 3x3/2 max-pool
+# NCHW 16x64x112x112 (rows of 448 bytes), the generated kernel against the streaming one,
+# two runs on a host with load 2.5 (session 8): _MM_HINT_T0 4 output rows (3584 bytes)
+# ahead 94% / 86%, 8 rows 94% / 88%; _MM_HINT_T1 4 rows 95% / 92%, 8 rows 96% / 93%,
+# 12 rows 91% / 95%; no prefetch 69%. (Session 7, host load 10: T0 4 rows 85%, T1 82%.)
+PREFETCH_BYTES = 7168
+PREFETCH_HINT = "_MM_HINT_T1"
 # The flat form's prefetch distance: concat -> 3x3/1 max-pool NCHW, 28x28 planes, one
 # core: none 79%, 1 KiB ahead 85%, 2 KiB 87%, 4 KiB 83%.
 PREFETCH_FLAT_BYTES = 2048
@@ -385,8 +388,8 @@ class SeparableWriter:
         """One (n, c) plane: the row pass as one flat loop over the interior rows (the
         window rows at constant offsets of whole rows) and a guarded loop per border row,
         into a plane buffer; the column pass as one flat loop over the output plane, each
-        column tap masked to the lanes whose column it stays in (the lanes' column kept
-        as a vector of ints), stored non-temporally where the output is large."""
+        column tap masked to the lanes whose column it stays in (a table of masks, one per
+        chunk), stored non-temporally where the output is large."""
         p, st = self.p, self.st
         rows, cols = p.rows, p.cols
         red = st.reduction
@@ -453,10 +456,6 @@ class SeparableWriter:
         nt = b.role == "output" and b.elements * 4 >= self.w.stream_min_bytes
         self.emit(d, f"float *o_ = &{self.vec('w', 'w0_').ident(b)}[{plane}];")
         self.emit(d, f"const int nt_ = {'((uintptr_t)o_ & 63) == 0' if nt else '0'};")
-        self.emit(
-            d,
-            "__m512i wv_ = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);",
-        )
         self.emit(d, f"for (int f0_ = 0; f0_ < {total}; f0_ += 16) {{")
         dd = d + 1
         self.emit(dd, f"const __mmask16 mk = mw_range(0, {total - 1} - f0_);")
@@ -464,12 +463,27 @@ class SeparableWriter:
         out = []
         names = []
         ident = f"_mm512_set1_ps({self.identity()})"
+        chunks = -(-total // LANES)
         for k in range(cols.k0, cols.k1 + 1):
             q = cols.offset + cols.dilation * k
-            if q < 0:
-                m = f"mk & _mm512_cmpge_epi32_mask(wv_, _mm512_set1_epi32({-q}))"
-            elif q > 0:
-                m = f"mk & _mm512_cmplt_epi32_mask(wv_, _mm512_set1_epi32({out_w - q}))"
+            if q:
+                # the lanes of each chunk whose column tap stays in its row (and in the
+                # plane): a table of masks, one per chunk, instead of the lanes' columns
+                # kept as a vector (three vector ops per chunk, two more per tap)
+                table = f"{self.buf}m{k - cols.k0}_"
+                masks = [
+                    sum(
+                        1 << lane
+                        for lane in range(LANES)
+                        if (f := j * LANES + lane) < total and 0 <= f % out_w + q < out_w
+                    )
+                    for j in range(chunks)
+                ]
+                self.decls.append(
+                    f"static const unsigned short {table}[{chunks}] = "
+                    f"{{{', '.join(str(x) for x in masks)}}};"
+                )
+                m = f"(__mmask16){table}[f0_ >> 4]"
             else:
                 m = "mk"
             out.append(
@@ -490,11 +504,6 @@ class SeparableWriter:
         out.append(
             "if (nt_ && mk == (__mmask16)0xFFFF) _mm512_stream_ps(o_ + f0_, y_); "
             "else _mm512_mask_storeu_ps(o_ + f0_, mk, y_);"
-        )
-        out.append("wv_ = _mm512_add_epi32(wv_, _mm512_set1_epi32(16));")
-        out.append(
-            f"wv_ = _mm512_mask_sub_epi32(wv_, _mm512_cmpge_epi32_mask(wv_, "
-            f"_mm512_set1_epi32({out_w})), wv_, _mm512_set1_epi32({out_w}));"
         )
         for line in out:
             self.emit(dd, line)
@@ -667,7 +676,9 @@ class SeparableWriter:
             for x in leaves(body):
                 if isinstance(x, Load) and x.value not in seen:
                     seen.add(x.value)
-                    out.append(f"_mm_prefetch((const char *)({v.load_address(x)}), _MM_HINT_T0);")
+                    out.append(
+                        f"_mm_prefetch((const char *)({v.load_address(x)}), {PREFETCH_HINT});"
+                    )
         return out
 
     def staged(self) -> bool:
