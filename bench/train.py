@@ -8,7 +8,12 @@ its own ``torch.optim.SGD(lr=1e-3, momentum=0.9)`` on the same seeded batch:
 - ``eager``: the model as it is (NCHW);
 - ``middleware``: ``middleware.optimize(model)`` (its training plans);
 - ``compile``: ``torch.compile(model)`` (default mode), forward and backward through
-  Inductor.
+  Inductor;
+- ``recompute`` (only where named in ``--engines``): the middleware with every fused
+  group's backward recomputed through PyTorch (``torch.autograd.grad`` over the group's
+  ops), as before the generated backward kernels: the A/B of issue 16's item 3 in one
+  interleaved run. A bench-only switch: the plan builder's ``backward_kernels`` is
+  replaced by one deriving none while this engine compiles.
 
 One step is forward, cross-entropy against seeded labels, backward, the optimizer's step
 and ``zero_grad(set_to_none=True)``. Dropout layers are put in eval mode in every copy:
@@ -37,6 +42,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import math
@@ -45,7 +51,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -54,10 +60,26 @@ import torch.nn.functional as F
 
 import middleware
 from middleware.models import NETWORKS, load_model
+from middleware.runtime import training
 from middleware.runtime.profile import step_peak
 
 MIB = 2**20
 ENGINES = ("eager", "middleware", "compile")
+
+
+@contextlib.contextmanager
+def recompute_backward() -> Iterator[None]:
+    """Training plans built inside derive no generated backward (``recompute`` engine)."""
+    real = training.backward_kernels
+
+    def none(backend: Any, graph: Any, fused: dict, options: Any, hardware: Any) -> dict:
+        return {key: (None, "generated backward off (bench/train.py recompute)") for key in fused}
+
+    training.backward_kernels = none  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        training.backward_kernels = real  # type: ignore[assignment]
 
 
 def make(net: str) -> tuple[nn.Module, tuple[int, ...]]:
@@ -76,7 +98,7 @@ class Engine:
         self.name = name
         self.model = model
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-        if name == "middleware":
+        if name in ("middleware", "recompute"):
             self.run: Callable[..., Any] = middleware.optimize(model)
         elif name == "compile":
             self.run = torch.compile(model)
@@ -86,8 +108,11 @@ class Engine:
         self.losses: list[float] = []
 
     def step(self, x: torch.Tensor, y: torch.Tensor, keep_grads: bool = False) -> dict:
+        switch = recompute_backward() if self.name == "recompute" else contextlib.nullcontext()
         t0 = time.perf_counter()
-        loss = F.cross_entropy(self.run(x), y)
+        with switch:  # the first call builds the plan
+            out = self.run(x)
+        loss = F.cross_entropy(out, y)
         loss.backward()
         grads = {}
         if keep_grads:
@@ -124,7 +149,7 @@ def measure(net: str, batch: int, rounds: int, engines: Sequence[str], seed: int
         grads[e] = eng.step(x, y, keep_grads=True)
         compile_s[e] = time.perf_counter() - t0
     peaks = {}
-    for e in ("eager", "middleware"):  # a step each, also taken by the others below
+    for e in ("eager", "middleware", "recompute"):  # a step each, also taken by the others
         if e in runs:
             eng = runs[e]
             peaks[e] = step_peak(lambda xx, eng=eng: eng.step(xx, y), [x])[1]
@@ -167,34 +192,41 @@ def geomean(xs: Sequence[float]) -> float:
 
 
 def markdown(rows: Sequence[dict], engines: Sequence[str], meta: str) -> str:
+    ab = "recompute" in engines  # the A/B columns of the generated backward
     head = (
         "| network | "
         + " | ".join(f"{e} ms" for e in engines)
         + " | fastest other / middleware | peak MiB eager | peak MiB middleware | "
-        "memory ratio | loss rel. diff (max over steps) | grad rel. err (worst parameter) | "
+        + ("peak MiB recompute | recompute / middleware ms | " if ab else "")
+        + "memory ratio | loss rel. diff (max over steps) | grad rel. err (worst parameter) | "
         "first step s |"
     )
-    lines = [meta, "", head, "|" + "---|" * (len(engines) + 8)]
-    speed, mem = [], []
+    lines = [meta, "", head, "|" + "---|" * (len(engines) + 8 + 2 * ab)]
+    speed, mem, ab_speed = [], [], []
     for r in rows:
         ms = r["ms"]
-        other = min(v for e, v in ms.items() if e != "middleware")
+        other = min(v for e, v in ms.items() if e not in ("middleware", "recompute"))
         ratio = other / ms["middleware"] if "middleware" in ms else math.nan
         pe, pm = r["peak"].get("eager", math.nan), r["peak"].get("middleware", math.nan)
         speed.append(ratio)
         mem.append(pm / pe)
+        extra = ""
+        if ab:
+            ab_speed.append(ms["recompute"] / ms["middleware"])
+            extra = f"{r['peak']['recompute'] / MIB:.0f} | {ab_speed[-1]:.2f}x | "
         errs = ", ".join(f"{e} {v:.1e}" for e, v in r["loss_err"].items() if e != "eager")
         gerrs = ", ".join(f"{e} {v:.1e}" for e, v in r["grad_err"].items() if e != "eager")
         first = ", ".join(f"{e} {v:.1f}" for e, v in r["first_s"].items())
         lines.append(
             f"| {r['net']} | "
             + " | ".join(f"{ms[e]:.0f}" for e in engines)
-            + f" | {ratio:.2f}x | {pe / MIB:.0f} | {pm / MIB:.0f} | {pm / pe:.2f} | "
+            + f" | {ratio:.2f}x | {pe / MIB:.0f} | {pm / MIB:.0f} | {extra}{pm / pe:.2f} | "
             f"{errs} | {gerrs} | {first} |"
         )
+    ab_mean = f" | {geomean(ab_speed):.2f}x" if ab else ""
     lines.append(
-        f"| geometric mean | {' | '.join('' for _ in engines)} | {geomean(speed):.2f}x | | | "
-        f"{geomean(mem):.2f} | | | |"
+        f"| geometric mean | {' | '.join('' for _ in engines)} | {geomean(speed):.2f}x | |"
+        f"{' |' if ab else ''}{ab_mean} | {geomean(mem):.2f} | | | |"
     )
     return "\n".join(lines)
 

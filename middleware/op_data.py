@@ -11,6 +11,7 @@ import torch
 from . import loops
 from .enums import Bound
 from .graph import Graph, Node
+from .loops import NotFusable
 from .op_registry import GradEmitter, Kernel, OpDef, OutForm, OutVariant, register
 
 
@@ -57,6 +58,15 @@ def _flatten(node: Node) -> Kernel:
     return flatten
 
 
+def _view_grad(e: GradEmitter, node: Node, gy: str) -> tuple[str | None, ...]:
+    """A reshape's gradient: the output gradient reshaped to the input's shape (only
+    from the output gradient's exact form: a broadcast form does not reshape)."""
+    (x,) = node.inputs[:1]
+    if e.type_of(gy).shape != e.type_of(node.outputs[0]).shape:
+        raise NotFusable(f"{node.op}'s output gradient reaches it in broadcast form")
+    return (e.emit("reshape", (gy,), {"shape": tuple(e.type_of(x).shape)}),)
+
+
 register(
     OpDef(
         "flatten",
@@ -68,6 +78,7 @@ register(
         per_sample=True,
         copies_permuted=True,
         strided_view=True,
+        grad=_view_grad,
     )
 )
 
@@ -92,6 +103,7 @@ register(
         per_sample=True,
         copies_permuted=True,
         strided_view=True,
+        grad=_view_grad,
     )
 )
 

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from . import loops
 from .enums import Bound
 from .graph import Graph, Node, TensorType
-from .loops import pair
+from .loops import NotFusable, pair
 from .op_registry import (
+    GradEmitter,
     Kernel,
     OpDef,
     OutForm,
@@ -334,6 +335,28 @@ def _adaptive_avg_pool2d_out(node: Node, graph: Graph) -> OutForm:
     return adaptive_avg_pool2d_out, ()
 
 
+def _spatial_mean_grad(e: GradEmitter, node: Node, gy: str) -> tuple[str | None, ...]:
+    """The gradient of a mean over both spatial dims of a 4-d value (``mean`` over (2, 3),
+    ``adaptive_avg_pool2d`` to 1x1): ``gy / (H * W)`` at the output's (N, C, 1, 1) shape,
+    the input's gradient in broadcast form (``passes/autodiff.py``: the same at every
+    pixel). PyTorch's ``mean`` backward: ``grad.expand(sizes) / numel``. Any other mean or
+    pooling has no rule (its group's backward recomputes through PyTorch)."""
+    x, y = node.inputs[0], node.outputs[0]
+    xt, yt = e.type_of(x), e.type_of(y)
+    n, c, h, w = xt.shape if xt.rank == 4 else (0, 0, 0, 0)
+    spatial = xt.rank == 4 and (
+        (node.op == "mean" and {int(d) % 4 for d in node.attrs["dims"]} == {2, 3})
+        or (node.op == "adaptive_avg_pool2d" and yt.shape == (n, c, 1, 1))
+    )
+    if not spatial:
+        raise NotFusable(f"{node.op} over these dims has no backward rule")
+    if e.type_of(gy).shape != yt.shape:
+        raise NotFusable(f"{node.op}'s output gradient reaches it in broadcast form")
+    if yt.shape != (n, c, 1, 1):  # mean without keepdim: (N, C)
+        gy = e.emit("reshape", (gy,), {"shape": (n, c, 1, 1)})
+    return (e.emit("div", (gy,), {"scalar": float(h * w)}),)
+
+
 register(
     OpDef(
         "adaptive_avg_pool2d",
@@ -345,6 +368,7 @@ register(
         layout_preserving=True,
         # ATen's kernel restrides a strided (concat slice) output
         out=OutVariant(_adaptive_avg_pool2d_out, dense_only=True),
+        grad=_spatial_mean_grad,
     )
 )
 register(
@@ -422,5 +446,6 @@ register(
         layout_preserving=True,
         layout_preserving_if=_over_space,
         out=OutVariant(_mean_out),
+        grad=_spatial_mean_grad,
     )
 )

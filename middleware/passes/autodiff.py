@@ -12,17 +12,21 @@ code generators schedule it depth-first, recomputing the intermediates inside th
 instead of reading stored ones.
 
 Broadcasting: where a node broadcast an operand (a per-channel gate times a map), the
-operand's gradient is a sum over the broadcast dims. The sum is put off to the end: a
-gradient flowing back is kept *expanded* (a tensor of a broadcast shape whose sum down to
-the value's shape is the true gradient), which every elementwise rule passes on as it is,
-because the local derivative of an elementwise op of a broadcast operand is constant along
-the broadcast dims (``sum(G) * f'(x) == sum(G * f'(x))``). Only the group inputs' gradients
-are summed, by the caller (``Gradient.sum_to``; a reduction the generators do not
-produce). Two gradients of one value in different broadcast shapes cannot be added so.
+operand's gradient is a sum over the broadcast dims; where a node reduced its input (a
+spatial mean), the input's gradient is the same along the reduced dims. Both are put off
+to the end: a gradient flowing back is kept in *broadcast form* (a tensor whose shape
+broadcasts against the value's: broadcast to both and summed down to the value's shape,
+it is the true gradient, :func:`fit`). Every elementwise rule passes that form on as it
+is, because the local derivative of an elementwise op is constant along the dims its
+operand was broadcast over (``sum(G) * f'(x) == sum(G * f'(x))``); a rule that needs the
+exact gradient (a view, a reduction) refuses another form. Only the group inputs'
+gradients are fitted, by the caller (``Gradient.fit_to``: an expand and a sum the
+generators do not produce). Two gradients of one value that disagree along a dim it is
+summed over cannot be added so.
 
 Expects: ``nodes`` in topological order, each output of one of them read only inside the
 group but ``output``. Guarantees: every gradient graph's output is the input's gradient,
-or has a broadcast shape whose sum down to ``Gradient.sum_to`` is. Raises
+or its broadcast form (``Gradient.fit_to``). Raises
 :class:`~middleware.loops.NotFusable` with the reason where a node has no backward rule or
 two gradients of one value have different broadcast shapes: such a group keeps a
 recomputing backward through the framework.
@@ -34,6 +38,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from ..graph import Graph, Node, TensorType
 from ..loops import NotFusable
 from ..ops import CATALOGUE, infer_types
@@ -42,15 +48,16 @@ from ..ops import CATALOGUE, infer_types
 @dataclasses.dataclass(frozen=True)
 class Gradient:
     """One group input's gradient: ``graph`` computes ``value`` (its one output) from
-    ``graph.inputs`` (group inputs and the output gradient), summed to ``sum_to`` where
-    not None. ``nodes``: the graph's nodes in order; empty where ``value`` is an input of
-    it (the output's gradient itself, an add's operand)."""
+    ``graph.inputs`` (group inputs and the output gradient), in broadcast form where
+    ``fit_to`` (the input's shape) is not None: broadcast against ``fit_to`` and summed
+    down to it (:func:`fit`). ``nodes``: the graph's nodes in order; empty where ``value``
+    is an input of it (the output's gradient itself, an add's operand)."""
 
     input: str
     value: str
     graph: Graph
     nodes: tuple[str, ...]
-    sum_to: tuple[int, ...] | None
+    fit_to: tuple[int, ...] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,22 +153,42 @@ def differentiate(
         e.prefix = f"d_{v}"
         g = _accumulate(e, _same_shape(full, v, got))
         shape = full.values[v].shape
-        sum_to = None if full.values[g].shape == shape else tuple(shape)
+        fit_to = None if full.values[g].shape == shape else tuple(shape)
         sub, names = _prune(full, g)
-        gradients.append(Gradient(v, g, sub, names, sum_to))
+        gradients.append(Gradient(v, g, sub, names, fit_to))
     return Backward(grad_out, tuple(gradients))
 
 
 def _same_shape(full: Graph, v: str, parts: list[str]) -> list[str]:
-    """``parts`` (gradients of ``v``, each summed down to ``v``'s shape in exact terms)
-    where they can be added as they are: all of one shape."""
-    if len({full.values[g].shape for g in parts}) > 1:
-        shapes = ", ".join(str(full.values[g].shape) for g in parts)
-        raise NotFusable(
-            f"the gradients reaching {v} have different broadcast shapes ({shapes}): "
-            "adding them needs a reduction inside the group"
-        )
+    """``parts`` (gradients of ``v`` in broadcast form) where adding them with broadcasting
+    gives the broadcast form of their sum: along every dim where ``v`` has size 1 (a dim a
+    part may have to be summed over) the parts agree in size; along ``v``'s other dims a
+    part of size 1 is constant there, and broadcasting repeats it as it should."""
+    shapes = [full.values[g].shape for g in parts]
+    rank = max(len(s) for s in (*shapes, full.values[v].shape))
+
+    def padded(s: tuple[int, ...]) -> tuple[int, ...]:
+        return (1,) * (rank - len(s)) + tuple(s)
+
+    own = padded(full.values[v].shape)
+    for d in range(rank):
+        if own[d] == 1 and len({padded(s)[d] for s in shapes}) > 1:
+            raise NotFusable(
+                f"the gradients reaching {v} have different broadcast shapes "
+                f"({', '.join(map(str, shapes))}): adding them needs a reduction inside the group"
+            )
     return parts
+
+
+def fit(g: torch.Tensor, shape: Sequence[int] | None) -> torch.Tensor:
+    """A gradient in broadcast form made the gradient of a value of ``shape``: broadcast to
+    both shapes (a view), then summed down to ``shape``."""
+    if shape is None or tuple(g.shape) == tuple(shape):
+        return g
+    full = torch.broadcast_shapes(g.shape, tuple(shape))
+    if tuple(g.shape) != tuple(full):
+        g = g.expand(full)
+    return g if tuple(full) == tuple(shape) else g.sum_to_size(tuple(shape))
 
 
 def _prune(full: Graph, value: str) -> tuple[Graph, tuple[str, ...]]:

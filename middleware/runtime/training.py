@@ -51,7 +51,7 @@ from ..loops import NotFusable
 from ..ops import get_op
 from ..options import Options
 from ..passes import run_passes
-from ..passes.autodiff import differentiate
+from ..passes.autodiff import differentiate, fit
 from .plan import Step
 from .report import Report, make_report
 
@@ -105,13 +105,14 @@ class _GroupFunction(torch.autograd.Function):
 class GeneratedGradient:
     """One input's gradient: ``kernel(*args)`` (values by name: the group's inputs and the
     output gradient), or the value ``args[0]`` itself where ``kernel`` is None (an add's
-    operand), summed to ``sum_to`` where the input was broadcast (through PyTorch)."""
+    operand), in broadcast form where ``fit_to`` is not None (``autodiff.fit``: expanded
+    and summed to the input's shape through PyTorch)."""
 
     name: str
     value: str  # the gradient's value in the backward graph (inputs sharing it share a call)
     kernel: Callable[..., torch.Tensor] | None
     args: tuple[str, ...]
-    sum_to: tuple[int, ...] | None
+    fit_to: tuple[int, ...] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +152,7 @@ class GeneratedBackward:
                 r = done.get(g.value)
                 if r is None:
                     r = done[g.value] = g.kernel(*[env[a] for a in g.args])
-            out.append(r if g.sum_to is None else r.sum_to_size(g.sum_to))
+            out.append(fit(r, g.fit_to))
         return out
 
 
@@ -487,10 +488,10 @@ def backward_kernels(
             if g is None:
                 grads.append(None)
             elif not g.nodes:
-                grads.append(GeneratedGradient(g.value, g.value, None, (g.value,), g.sum_to))
+                grads.append(GeneratedGradient(g.value, g.value, None, (g.value,), g.fit_to))
             else:
                 k = kernels[(key, g.value)]
-                grads.append(GeneratedGradient(k.name, g.value, k.fn, tuple(k.inputs), g.sum_to))
+                grads.append(GeneratedGradient(k.name, g.value, k.fn, tuple(k.inputs), g.fit_to))
         result[key] = (GeneratedBackward(tuple(fused[key].inputs), b.grad_output, tuple(grads)), "")
     return result
 
@@ -584,4 +585,25 @@ def _assemble(
         )
     for v in graph.output_values():
         slot(v)
-    return TrainingPlan(graph, steps, slot_of, const_slots, state)
+    plan = TrainingPlan(graph, steps, slot_of, const_slots, state)
+    plan.notes = backward_summary(fused, backward)
+    return plan
+
+
+def backward_summary(
+    fused: dict[str, Any], backward: dict[str, tuple[GeneratedBackward | None, str]]
+) -> tuple[str, ...]:
+    """The report's note on the fused groups' backward: how many are generated, and the
+    reasons of the others (counted)."""
+    if not fused:
+        return ()
+    why: dict[str, int] = {}
+    for key in fused:
+        bwd, reason = backward.get(key, (None, "not derived"))
+        if bwd is None:
+            why[reason] = why.get(reason, 0) + 1
+    done = len(fused) - sum(why.values())
+    text = f"backward of fused groups: {done} of {len(fused)} generated"
+    if why:
+        text += "; PyTorch recompute for " + "; ".join(f"{n}: {r}" for r, n in why.items())
+    return (text,)
