@@ -385,11 +385,15 @@ class SeparableWriter:
         )
 
     def flat(self, d: int) -> None:
-        """One (n, c) plane: the row pass as one flat loop over the interior rows (the
-        window rows at constant offsets of whole rows) and a guarded loop per border row,
-        into a plane buffer; the column pass as one flat loop over the output plane, each
-        column tap masked to the lanes whose column it stays in (a table of masks, one per
-        chunk), stored non-temporally where the output is large."""
+        """One (n, c) plane as one flat loop over its chunks of 16 output elements, both
+        passes in registers: the row pass of chunk j + 1 (every window row at a constant
+        offset of whole rows, each tap's loads masked to the lanes whose row is inside the
+        input) is computed while the column pass of chunk j takes its taps from the row
+        results of chunks j - 1, j and j + 1 (``valignd``: a tap q columns away is the
+        concatenation shifted by q lanes), each masked to the lanes whose column it stays
+        in. Masks come from tables, one entry per chunk. Stored non-temporally where the
+        output is large. No plane buffer: each input and output element passes through
+        memory once, and the row results never do."""
         p, st = self.p, self.st
         rows, cols = p.rows, p.cols
         red = st.reduction
@@ -397,35 +401,61 @@ class SeparableWriter:
         b = self.w.s.buffer(st.target)
         out_h, out_w = b.shape[2], b.shape[3]
         total = out_h * out_w
-        pad = LANES
-        self.decls.append(f"float {self.buf}[{total + 2 * pad}] __attribute__((aligned(64)));")
-        self.stack_floats += total + 2 * pad
+        chunks = -(-total // LANES)
         if isinstance(p.divisor, np.ndarray):
             vals = ", ".join(self.w.c_float(float(x)) for x in p.divisor.reshape(-1))
             self.decls.append(f"static const float {self.div}[{p.divisor.size}] = {{{vals}}};")
-        # output rows whose window rows are all inside the input
-        hs = [h for h in range(out_h) if 0 <= h + rows.first and h + rows.last <= rows.size - 1]
-        fv = "f_"
-        if hs:
-            h0, h1 = hs[0], hs[-1]
-            assert hs == list(range(h0, h1 + 1))
-            self.emit(
-                d, f"for (int f0_ = {h0 * out_w}; f0_ <= {(h1 + 1) * out_w - 1}; f0_ += 16) {{"
+
+        def table(name: str, keep: Callable[[int], bool], entries: int) -> str:
+            """A table of lane masks, one per chunk (lanes past the plane never kept)."""
+            masks = [
+                sum(
+                    1 << lane
+                    for lane in range(LANES)
+                    if (f := j * LANES + lane) < total and keep(f)
+                )
+                for j in range(entries)
+            ]
+            ident = f"{self.buf}{name}_"
+            self.decls.append(
+                f"static const unsigned short {ident}[{entries}] = "
+                f"{{{', '.join(str(x) for x in masks)}}};"
             )
-            self.emit(d + 1, f"const __mmask16 mk = mw_range(0, {(h1 + 1) * out_w - 1} - f0_);")
-            v = self.vec(fv, "f0_")
+            return ident
+
+        ident = f"_mm512_set1_ps({self.identity()})"
+        fv = "f_"
+        # the row pass of the chunk at g_ (one more table entry: past the plane, no lanes)
+        row_taps = []
+        for k in range(rows.k0, rows.k1 + 1):
+            dr = rows.offset + rows.dilation * k
+            mask = table(
+                f"r{k - rows.k0}",
+                lambda f, dr=dr: 0 <= f // out_w + dr < rows.size,
+                chunks + 1,
+            )
+            body = subst_body(red.body, {rows.kvar: Int(k)}, (cols.index, Var(fv)), row=Int(dr))
+            row_taps.append((mask, body))
+
+        def row_pass(start: str, result: str) -> list[str]:
+            v = self.vec(fv, start)
             out: list[str] = []
             names = []
-            for k in range(rows.k0, rows.k1 + 1):
-                body = subst_body(
-                    red.body,
-                    {rows.kvar: Int(k)},
-                    (cols.index, Var(fv)),
-                    row=Int(rows.offset + rows.dilation * k),
-                )
-                out.append(f"const __m512 y{k - rows.k0}_ = {v.expr(body)};")
-                names.append(f"y{k - rows.k0}_")
-                if k == rows.k1:
+            for i, (mask, body) in enumerate(row_taps):
+                m = f"(__mmask16){mask}[{start} >> 4]"
+                v.mask = m
+                name = f"{result}{i}_"
+                if isinstance(body, Load):
+                    out.append(
+                        f"const __m512 {name} = _mm512_mask_loadu_ps({ident}, {m}, "
+                        f"{v.load_address(body)});"
+                    )
+                else:  # the prologue of a masked-off lane must not reach the reduction
+                    out.append(
+                        f"const __m512 {name} = _mm512_mask_mov_ps({ident}, {m}, {v.expr(body)});"
+                    )
+                names.append(name)
+                if i == len(row_taps) - 1:
                     seen = set()
                     for x in leaves(body):
                         if isinstance(x, Load) and x.value not in seen:
@@ -435,63 +465,54 @@ class SeparableWriter:
                                 f"_mm_prefetch((const char *)({v.load_address(x)} + "
                                 f"{PREFETCH_FLAT_BYTES // 4}), _MM_HINT_T0);",
                             )
-            _reduce(p.op, names, out, "r_")
             if v.stride2:
                 raise Unsupported("a stride-2 load in the row pass")
-            out.append(f"_mm512_mask_storeu_ps(&{self.buf}[{pad} + f0_], mk, r_);")
-            for line in out:
-                self.emit(d + 1, line)
-            self.emit(d, "}")
-        else:
-            h0, h1 = out_h, out_h - 1
-        for lo, hi in ((0, h0 - 1), (h1 + 1, out_h - 1)):
-            if lo > hi:
-                continue
-            self.emit(d, f"for (int h = {lo}; h <= {hi}; ++h) {{")
-            self.emit(d + 1, f"const int xlo_ = 0, xhi_ = {out_w - 1};")
-            self.row_pass(d + 1, 1, guarded=True, dst_row=f"h * {out_w}", pad=pad)
-            self.emit(d, "}")
-        # the column pass
+            _reduce(p.op, names, out, result)
+            return out
+
         plane = self.vec("w", "w0_").address(b, (Var("n"), Var("c"), Int(0), Int(0)))
         nt = b.role == "output" and b.elements * 4 >= self.w.stream_min_bytes
         self.emit(d, f"float *o_ = &{self.vec('w', 'w0_').ident(b)}[{plane}];")
         self.emit(d, f"const int nt_ = {'((uintptr_t)o_ & 63) == 0' if nt else '0'};")
+        self.emit(d, f"__m512 rp_ = {ident}, rc_;")
+        self.emit(d, "{")
+        self.emit(d + 1, "const int g_ = 0;")
+        for line in row_pass("g_", "r0_"):
+            self.emit(d + 1, line)
+        self.emit(d + 1, "rc_ = r0_;")
+        self.emit(d, "}")
         self.emit(d, f"for (int f0_ = 0; f0_ < {total}; f0_ += 16) {{")
         dd = d + 1
+        self.emit(dd, "const int g_ = f0_ + 16;")
+        for line in row_pass("g_", "rn"):
+            self.emit(dd, line)
         self.emit(dd, f"const __mmask16 mk = mw_range(0, {total - 1} - f0_);")
-        v = self.vec("w", "w0_")
-        out = []
+        out: list[str] = []
         names = []
-        ident = f"_mm512_set1_ps({self.identity()})"
-        chunks = -(-total // LANES)
         for k in range(cols.k0, cols.k1 + 1):
             q = cols.offset + cols.dilation * k
-            if q:
-                # the lanes of each chunk whose column tap stays in its row (and in the
-                # plane): a table of masks, one per chunk, instead of the lanes' columns
-                # kept as a vector (three vector ops per chunk, two more per tap)
-                table = f"{self.buf}m{k - cols.k0}_"
-                masks = [
-                    sum(
-                        1 << lane
-                        for lane in range(LANES)
-                        if (f := j * LANES + lane) < total and 0 <= f % out_w + q < out_w
-                    )
-                    for j in range(chunks)
-                ]
-                self.decls.append(
-                    f"static const unsigned short {table}[{chunks}] = "
-                    f"{{{', '.join(str(x) for x in masks)}}};"
-                )
-                m = f"(__mmask16){table}[f0_ >> 4]"
+            name = f"z{k - cols.k0}_"
+            if q == 0:
+                out.append(f"const __m512 {name} = rc_;")
             else:
-                m = "mk"
-            out.append(
-                f"const __m512 z{k - cols.k0}_ = _mm512_mask_loadu_ps({ident}, {m}, "
-                f"&{self.buf}[{pad} + f0_ + {q}]);"
-            )
-            names.append(f"z{k - cols.k0}_")
+                # lanes q..q+15 of the row results (lo: the chunk before, hi: after)
+                lo, hi, shift = ("rp_", "rc_", LANES + q) if q < 0 else ("rc_", "rn", q)
+                shifted = (
+                    lo
+                    if shift == 0
+                    else hi
+                    if shift == LANES
+                    else f"_mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512({hi}), "
+                    f"_mm512_castps_si512({lo}), {shift}))"
+                )
+                m = table(f"c{k - cols.k0}", lambda f, q=q: 0 <= f % out_w + q < out_w, chunks)
+                out.append(
+                    f"const __m512 {name} = _mm512_mask_mov_ps({ident}, "
+                    f"(__mmask16){m}[f0_ >> 4], {shifted});"
+                )
+            names.append(name)
         _reduce(p.op, names, out, "t_")
+        v = self.vec("w", "w0_")
         total_v = "t_"
         if isinstance(p.divisor, float):
             total_v = f"_mm512_div_ps(t_, _mm512_set1_ps({self.w.c_float(p.divisor)}))"
@@ -505,6 +526,8 @@ class SeparableWriter:
             "if (nt_ && mk == (__mmask16)0xFFFF) _mm512_stream_ps(o_ + f0_, y_); "
             "else _mm512_mask_storeu_ps(o_ + f0_, mk, y_);"
         )
+        out.append("rp_ = rc_;")
+        out.append("rc_ = rn;")
         for line in out:
             self.emit(dd, line)
         self.emit(d, "}")
