@@ -20,6 +20,7 @@ torch-based engine starts far behind). Every engine's output is checked against 
 the output's scale), from the same seeded input::
 
     python bench/memory.py --rss resnet50 vgg16 densenet121 --batch 16
+    python bench/memory.py --rss resnet50 --engines eager middleware   # while iterating
 """
 
 from __future__ import annotations
@@ -118,16 +119,16 @@ def rss_child(engine: str, name: str, batch: int, onnx_path: str, out_path: str)
     print(json.dumps({"peak_mib": _peak_mib()}))
 
 
-def rss_table(networks: list[str], batch: int) -> str:
-    """Peak RSS per network and engine, each in its own process (see the docstring)."""
+def rss_table(networks: list[str], batch: int, only: list[str] | None = None) -> str:
+    """Peak RSS per network and engine, each in its own process (see the docstring);
+    ``only``: these engines alone (``--engines``)."""
     import importlib.util
 
+    wanted = [e for e in RSS_ENGINES if only is None or e in only]
     engines = [
-        e
-        for e in RSS_ENGINES
-        if e in ("eager", "middleware") or importlib.util.find_spec(e) is not None
+        e for e in wanted if e in ("eager", "middleware") or importlib.util.find_spec(e) is not None
     ]
-    missing = sorted(set(RSS_ENGINES) - set(engines))
+    missing = sorted(set(wanted) - set(engines))
     lines = [
         f"Peak RSS (MiB) of one process per engine: one warm-up forward, one forward, batch "
         f"{batch}; {os.cpu_count()} cores"
@@ -191,8 +192,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("networks", nargs="*", default=["resnet50", "vgg16", "densenet121"])
         ap.add_argument("--batch", type=int, default=16)
         ap.add_argument("--out", type=Path, default=None)
+        ap.add_argument(
+            "--engines",
+            nargs="+",
+            choices=RSS_ENGINES,
+            default=None,
+            help="run only these engines (default: all installed)",
+        )
         args = ap.parse_args(argv)
-        text = rss_table(args.networks, args.batch)
+        text = rss_table(args.networks, args.batch, args.engines)
         print(text)
         if args.out:
             args.out.write_text(text)

@@ -91,6 +91,11 @@ class Node:
 # tensor it came from). A plan may use the user's tensor itself for a constant the passes left
 # as it was (``backends.interface.constant_tensor``): one copy of unchanged weights.
 PARAM_SOURCES = "param_sources"
+# ``graph.meta[RELEASED_PARAMS]``: parameter name -> why its array left ``graph.params``
+# (``Graph.release_params``): a built plan holds the only copy it needs (a prepacked or
+# transformed weight), so the graph stops holding a second one. The value keeps its type;
+# ``Graph.evaluate`` refuses to run a node that reads it.
+RELEASED_PARAMS = "released_params"
 # ``graph.meta[TRAINING]``: True for a graph traced for a training plan; the passes then
 # never fold a parameter that needs a gradient into a derived constant.
 TRAINING = "training"
@@ -218,7 +223,21 @@ class Graph:
         return list(flatten_tree(self.output_tree))
 
     def is_param(self, value: str) -> bool:
-        return value in self.params
+        """``value`` is a parameter (its array held in ``params``, or released)."""
+        return value in self.params or value in self.meta.get(RELEASED_PARAMS, {})
+
+    def release_params(self, names: Sequence[str], why: str) -> None:
+        """Drop the arrays of parameters ``names`` from ``params`` (their types stay), each
+        recorded in ``meta[RELEASED_PARAMS]`` with ``why``. For a graph whose plan is built
+        and holds its own copy of these weights: the graph then no longer keeps a second
+        one alive. :meth:`evaluate` raises on a node that reads a released parameter."""
+        gone = {n: why for n in names if n in self.params}
+        if not gone:
+            return
+        for n in gone:
+            del self.params[n]
+        # a new mapping, never changed in place: copies of the graph share meta's values
+        self.meta[RELEASED_PARAMS] = {**self.meta.get(RELEASED_PARAMS, {}), **gone}
 
     def uses(self, value: str) -> int:
         """How many times ``value`` is read: by nodes, plus once per appearance in the outputs."""
@@ -306,6 +325,14 @@ class Graph:
             raise RuntimeError("no op catalogue installed: import middleware.ops first")
         if len(inputs) != len(self.inputs):
             raise ValueError(f"graph takes {len(self.inputs)} inputs, got {len(inputs)}")
+        released = self.meta.get(RELEASED_PARAMS, {})
+        read = [v for n in self.nodes() for v in n.inputs if v in released]
+        if read:
+            raise RuntimeError(
+                f"graph.evaluate: parameter {read[0]!r} was released from this graph "
+                f"({released[read[0]]}); trace the model again (middleware.trace) for a "
+                "graph that holds every weight"
+            )
         device = inputs[0].device if inputs else torch.device("cpu")
         env: dict[str, Any] = dict(zip(self.inputs, inputs, strict=True))
         for p, arr in self.params.items():

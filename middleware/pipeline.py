@@ -8,7 +8,10 @@ backend of ``options.device``, and the backend answers the device-specific ones.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import ctypes
+import functools
+import sys
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -46,17 +49,57 @@ def compile_graph(
     cut = batch_slice(graph, options, hardware, auto=backend.slices_batch)
     if cut is not None:
         pre, post = split_graph(graph, cut)
-        plan = ChunkedPlan(
-            graph,
-            cut,
+        plans = [
             _plan(backend, pre, options, hardware, device),
             _plan(backend, post, options, hardware, device, owned=cut.values),
-            device,
-        )
+        ]
+        plan = ChunkedPlan(graph, cut, plans[0], plans[1], device)
+        graphs = [graph, pre, post]
     else:
-        plan = _plan(backend, graph, options, hardware, device)
+        plans = [_plan(backend, graph, options, hardware, device)]
+        plan, graphs = plans[0], [graph]
     plan = backend.finish(plan, options, inputs)
-    return Compiled(graph, plan, make_report(graph, plan, hardware))
+    report = make_report(graph, plan, hardware)
+    release_held_params(graphs + [p.graph for p in plans], plans)
+    return Compiled(graph, plan, report)
+
+
+def release_held_params(graphs: Sequence[Graph], plans: Sequence[Plan]) -> list[str]:
+    """Drop from ``graphs`` the arrays of the parameters that no step of ``plans`` reads
+    (every step that takes one holds its own copy: a prepacked or Winograd-transformed
+    weight, ``Plan.held_params``), so that a weight the passes derived (batch-norm folded)
+    is not held a second time beside that copy. Returns the names released.
+
+    Safe for later builds: a new input signature, changed weights or a switch to training
+    trace the user's model again (``runtime.module``), never this graph; ``Graph.evaluate``
+    on it raises for a released parameter."""
+    held = {v for p in plans for v in p.held_params}
+    read = {v for p in plans for v in p.graph.params if v not in p.held_params}
+    released = sorted(held - read)
+    if released:
+        why = "the plan holds its own copy: a prepacked or transformed weight"
+        for g in {id(g): g for g in graphs}.values():
+            g.release_params(released, why)
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
+    return released
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None elsewhere. The released arrays are mostly below
+    glibc's mmap threshold (which rises to 32 MiB once the framework has freed large
+    tensors), so they sit in the heap and freeing them lowers no resident memory until
+    the heap's free pages are handed back to the kernel (measured on resnet50 at batch 16:
+    89.6 MiB of folded weights released, resident memory after optimize() 1052 MiB
+    without the trim, 968 MiB with it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
 
 
 def _plan(

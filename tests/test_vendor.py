@@ -195,7 +195,8 @@ def test_linear_three_d_input():
 
 
 def test_linear_rule_is_data():
-    assert linear_impl(16) == "onednn_packed"
+    assert linear_impl(16) == "onednn"  # the plain weight: no packed copy
+    assert linear_impl(4) == "onednn_packed"
     assert linear_impl(1) == [impl for rows, impl in LINEAR_RULES if rows <= 1][0]
 
 
@@ -229,4 +230,4 @@ def test_compiler_runs_conv_and_linear_through_vendor_kernels(tmp_path):
     opt = middleware.optimize(model, cache_dir=tmp_path, measure_hardware=False)
     _close(opt(x), model(x).detach())
     names = {st.fn.__name__ for st in opt.plan.steps}
-    assert {"conv_post", "linear_packed"} <= names
+    assert {"conv_post", "linear_onednn"} <= names

@@ -50,6 +50,21 @@ class Unit:
             object.__setattr__(self, "runs_as", RunsAs(self.runs_as))
 
 
+def holds_inputs(fn: Callable[..., Any], positions: Sequence[int]) -> Callable[..., Any]:
+    """Mark ``fn`` as never reading its inputs at ``positions``: it holds its own copy of
+    those constants (a prepacked or transformed weight, a bias captured when it was built).
+    The plan builder then keeps no constant for a parameter that no step reads
+    (``runtime.plan.build_plan``), and the pipeline drops its array from the graph, so the
+    weight is held once. Returns ``fn``."""
+    fn.holds_inputs = tuple(sorted(set(positions)))  # type: ignore[attr-defined]
+    return fn
+
+
+def held_inputs(fn: Callable[..., Any]) -> tuple[int, ...]:
+    """The input positions ``fn`` never reads (:func:`holds_inputs`); () if unmarked."""
+    return getattr(fn, "holds_inputs", ())
+
+
 def to_tensor(array: np.ndarray, device: torch.device, layout: str = "nchw") -> torch.Tensor:
     """A graph constant as a framework tensor on ``device`` (the one conversion of constants)."""
     t = torch.from_numpy(np.ascontiguousarray(array))
@@ -60,30 +75,41 @@ def to_tensor(array: np.ndarray, device: torch.device, layout: str = "nchw") -> 
     return t
 
 
+def users_tensor(
+    array: np.ndarray, source: Any, device: torch.device, layout: str = "nchw"
+) -> torch.Tensor | None:
+    """The user's own tensor behind graph constant ``array``, where it can serve as the
+    constant as it is: the frontend recorded it as ``source`` (``(array, tensor)``:
+    ``graph.meta[PARAM_SOURCES]``), the graph still holds that very array (not a pass's
+    transformed copy), and the tensor is on ``device``, float32 and stored as ``layout``
+    asks. None otherwise."""
+    if source is None:
+        return None
+    src_array, tensor = source
+    if (
+        src_array is array
+        and tensor.device == device
+        and tensor.dtype == torch.float32
+        and tuple(tensor.shape) == array.shape
+        and (
+            tensor.is_contiguous(memory_format=torch.channels_last)
+            if layout == "nhwc" and tensor.dim() == 4
+            else tensor.is_contiguous()
+        )
+    ):
+        return tensor
+    return None
+
+
 def constant_tensor(
     array: np.ndarray, source: Any, device: torch.device, layout: str = "nchw"
 ) -> torch.Tensor:
-    """A graph constant as a framework tensor on ``device``: the user's own tensor where the
-    frontend recorded it as ``source`` (``(array, tensor)``: ``graph.meta[PARAM_SOURCES]``)
-    and it is still what the graph holds (``array`` itself, not a pass's transformed copy),
-    on ``device``, float32 and stored as ``layout`` asks; else a copy (:func:`to_tensor`).
-    Sharing keeps one copy of unchanged weights on a GPU (the frontend's numpy array is a
-    host copy there); a changed weight rebuilds the plan (``runtime.weights``) either way."""
-    if source is not None:
-        src_array, tensor = source
-        if (
-            src_array is array
-            and tensor.device == device
-            and tensor.dtype == torch.float32
-            and tuple(tensor.shape) == array.shape
-            and (
-                tensor.is_contiguous(memory_format=torch.channels_last)
-                if layout == "nhwc" and tensor.dim() == 4
-                else tensor.is_contiguous()
-            )
-        ):
-            return tensor
-    return to_tensor(array, device, layout)
+    """A graph constant as a framework tensor on ``device``: the user's own tensor where
+    :func:`users_tensor` finds it, else a copy (:func:`to_tensor`). Sharing keeps one copy
+    of unchanged weights on a GPU (the frontend's numpy array is a host copy there); a
+    changed weight rebuilds the plan (``runtime.weights``) either way."""
+    own = users_tensor(array, source, device, layout)
+    return own if own is not None else to_tensor(array, device, layout)
 
 
 def node_step(

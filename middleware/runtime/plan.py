@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..backends.interface import Unit, constant_tensor, node_unit
+from ..backends.interface import Unit, held_inputs, node_unit, to_tensor, users_tensor
 from ..enums import RunsAs
 from ..graph import PARAM_SOURCES, Graph, map_tree
 from .memory import plan_memory as make_memory_plan
@@ -89,6 +89,9 @@ class Plan:
     # -------------------------------------------------------- what the profiler asks
     notes: tuple[str, ...] = ()
     consumes_inputs = False
+    # parameters derived by the passes (not the user's tensors) that every step reading
+    # them holds its own copy of: no constant here (build_plan), so the weight lives once
+    held_params: frozenset[str] = frozenset()
 
     def arenas(self) -> list[torch.Tensor]:
         """The buffer plan's arena(s), live for as long as the plan."""
@@ -203,12 +206,22 @@ def build_plan(
 
     for v in graph.inputs:
         slot(v)
-    constants: dict[int, torch.Tensor] = {}
-    sources = graph.meta.get(PARAM_SOURCES, {})
-    for p, arr in graph.params.items():
-        constants[slot(p)] = constant_tensor(arr, sources.get(p), device, graph.values[p].layout)
     if units is None:
         units = [node_unit(graph, n, device) for n in graph.nodes()]
+    constants: dict[int, torch.Tensor] = {}
+    sources = graph.meta.get(PARAM_SOURCES, {})
+    unread = unread_params(graph, units)
+    held: set[str] = set()
+    for p, arr in graph.params.items():
+        layout = graph.values[p].layout
+        own = users_tensor(arr, sources.get(p), device, layout)
+        if own is not None:  # the user's tensor: free to keep, whoever reads it
+            constants[slot(p)] = own
+        elif p in unread:  # every step holds its own copy: no second one here
+            slot(p)
+            held.add(p)
+        else:
+            constants[slot(p)] = to_tensor(arr, device, layout)
     # liveness: the last unit that reads each slot frees it (never inputs, params, outputs)
     keep = (set(graph.inputs) - set(owned)) | set(graph.params) | set(graph.output_values())
     last_use: dict[str, int] = {}
@@ -241,6 +254,7 @@ def build_plan(
         slot(v)
     plan = Plan(graph, steps, slot_of, constants)
     plan.consumes_inputs = bool(owned)
+    plan.held_params = frozenset(held)
     if plan_memory:
         try:
             planned = make_memory_plan(graph, units, device, owned, check=check_memory)
@@ -253,6 +267,16 @@ def build_plan(
                 stacklevel=2,
             )
     return plan
+
+
+def unread_params(graph: Graph, units: Sequence[Unit]) -> set[str]:
+    """The parameters no unit reads: each unit that takes one as an input holds its own
+    copy (``interface.holds_inputs``: a prepacked or transformed weight)."""
+    read = set(graph.output_values())
+    for u in units:
+        held = held_inputs(u.fn)
+        read.update(v for i, v in enumerate(u.inputs) if i not in held)
+    return {p for p in graph.params if p not in read}
 
 
 def graph_value_unused(

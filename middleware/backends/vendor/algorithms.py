@@ -66,7 +66,13 @@ from ..x86.compile import build_c
 from . import direct, gemv, tuning
 from . import winograd as wg
 from . import winograd_f2 as wg2
-from .calls import _conv_geometry, activation_attrs, inplace_activation, vendor_kernel
+from .calls import (
+    _conv_geometry,
+    activation_attrs,
+    holds_constants,
+    inplace_activation,
+    vendor_kernel,
+)
 from .im2col import (
     im2col_applies,
     im2col_build,
@@ -463,7 +469,7 @@ def python_kernel(graph: Graph, node: Node, device: torch.device, fn: ConvFn) ->
             y = y.add_(rest[-1])
         return y if act is None else act(y)
 
-    return conv_user
+    return holds_constants(conv_user, node)
 
 
 # -------------------------------------------------------------------- the choice

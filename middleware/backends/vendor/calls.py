@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from ...graph import Graph, Node
 from ...hardware import Hardware
 from ...ops import CATALOGUE, activation_fn, get_op
+from ..interface import holds_inputs
 
 Kernel = Callable[..., Any]
 
@@ -105,16 +106,24 @@ def inplace_activation(name: str | None, attrs: Mapping[str, Any]) -> Callable[[
 
 
 # ----------------------------------------------------------------------- rules (data)
-# When the packed oneDNN linear beats F.linear, by the number of rows (product of the
-# input's leading dims). Measured interleaved on the 2-core Sapphire Rapids host (torch
+# How a linear layer runs, by the number of rows (product of the input's leading dims):
+# "onednn" (oneDNN's linear with fused post-ops on the plain weight, which is the user's
+# own tensor where no pass changed it: no copy), "onednn_packed" (the same call on a weight
+# reordered for the row count once: a second copy of the weight), "aten" (F.linear, then
+# the activation in place). Measured interleaved on the 2-core Sapphire Rapids host (torch
 # 2.14.1): rows 16: packed 36 ms vs F.linear 123 ms (9216->4096), 12 vs 46 ms
-# (4096->4096), 0.67 vs 1.16 ms (2048->1000); rows 2..8: packed 2-3x faster; rows 1: mixed
-# (quiet host: within noise for 512..4096 inputs, F.linear faster for 9216/25088->4096, 7.4
-# vs 8.5 and 40 vs 60 ms; host loaded by other jobs: the packed call stalls ~20 ms on
-# small classifiers, 23 ms vs F.linear 0.4-1 ms for 576..4096->1000). Rows 16 on the loaded
-# host: packed still 3x faster for the 4096-wide layers (56 vs 189 ms, 27 vs 91, 137 vs
-# 440). (min_rows, implementation), first match from the top wins.
-LINEAR_RULES: tuple[tuple[int, str], ...] = ((2, "onednn_packed"), (1, "aten"))
+# (4096->4096), 0.67 vs 1.16 ms (2048->1000); rows 2..8: packed 2-3x faster than F.linear;
+# rows 1: mixed (quiet host: within noise for 512..4096 inputs, F.linear faster for
+# 9216/25088->4096, 7.4 vs 8.5 and 40 vs 60 ms; host loaded by other jobs: the packed call
+# stalls ~20 ms on small classifiers, 23 ms vs F.linear 0.4-1 ms for 576..4096->1000).
+# The plain weight against the packed one (session 8, loaded host, median of 7-15
+# interleaved calls, ms): rows 16: 25.6 vs 28.0 (9216->4096), 72 vs 68 (25088->4096), 16.0
+# vs 16.0 (4096->4096), 0.88 vs 0.89 (2048->1000); rows 8 and 32 within noise of each other
+# on the same layers; rows 2: the plain weight slower (24 vs 17 ms, 9216->4096; 0.51 vs
+# 0.32, 2048->1000). The packed copy costs its whole size in resident memory (25088->4096:
+# +398 MiB; the plain call allocates nothing per call), so from 8 rows the plain weight
+# runs. (min_rows, implementation), first match from the top wins.
+LINEAR_RULES: tuple[tuple[int, str], ...] = ((8, "onednn"), (2, "onednn_packed"), (1, "aten"))
 
 # A 1x1 stride-1 convolution over at most this many pixels (batch x height x width) runs
 # as one GEMM (torch.addmm) instead of the oneDNN call, whose fixed cost per call (ideep
@@ -152,17 +161,25 @@ def vendor_kernel(
     tables that do not depend on it.
     """
     dev = torch.device(device)
-    if node.op == "conv2d":
-        if dev.type == "cpu":
-            return _cpu_conv(graph, node)
-        if dev.type == "cuda":
-            return _cuda_conv(graph, node, dev)
-    if node.op == "linear":
-        if dev.type == "cpu":
-            return _cpu_linear(graph, node)
-        if dev.type == "cuda":
-            return _cuda_linear(graph, node)
+    if dev.type == "cpu" and node.op in ("conv2d", "linear"):
+        fn = _cpu_conv(graph, node) if node.op == "conv2d" else _cpu_linear(graph, node)
+        return None if fn is None else holds_constants(fn, node)
+    if node.op == "conv2d" and dev.type == "cuda":
+        return _cuda_conv(graph, node, dev)
+    if node.op == "linear" and dev.type == "cuda":
+        return _cuda_linear(graph, node)
     return None
+
+
+def holds_constants(fn: Kernel, node: Node) -> Kernel:
+    """Mark ``fn``, a CPU call of ``node`` built with its weight and bias captured (plain,
+    prepacked or transformed), as never reading them from its arguments: it reads only the
+    input (position 0) and the residual (last, where the node has one). The plan keeps no
+    constant for a weight that no step reads, and the graph drops its array
+    (``interface.holds_inputs``), so a derived weight lives once, in the call. Returns
+    ``fn``."""
+    n = len(node.inputs) - int(bool(node.attrs.get("residual", False)))
+    return holds_inputs(fn, range(1, n))
 
 
 def _param(graph: Graph, value: str, device: torch.device | str = "cpu") -> torch.Tensor | None:
@@ -324,7 +341,8 @@ def _cpu_conv1x1_gemm(
 
 
 def _cpu_linear(graph: Graph, node: Node) -> Kernel | None:
-    """linear (+activation): packed oneDNN call or F.linear, as ``LINEAR_RULES`` says."""
+    """linear (+activation): oneDNN's call on the plain or a packed weight, or F.linear, as
+    ``LINEAR_RULES`` says."""
     x_t = graph.values[node.inputs[0]]
     if x_t.dtype not in ONEDNN_DTYPES or x_t.rank < 2:
         return None
@@ -335,19 +353,24 @@ def _cpu_linear(graph: Graph, node: Node) -> Kernel | None:
     rows = x_t.numel // x_t.shape[-1]
     name, attrs = activation_attrs(node)
     post = onednn_post_op(name, attrs)
-    if linear_impl(rows) == "onednn_packed" and torch.backends.mkldnn.is_available():
-        w = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    impl = linear_impl(rows)
+    if impl != "aten" and torch.backends.mkldnn.is_available() and weight.is_contiguous():
+        w = (
+            torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+            if impl == "onednn_packed"
+            else weight
+        )
         lin = torch.ops.mkldnn._linear_pointwise.default
         after = None
         if post is None:
             post, after = OneDnnPostOp(), inplace_activation(name, attrs)
         attr, scalars, algorithm = post.attr, list(post.scalars), post.algorithm
 
-        def linear_packed(x, _w, *_rest):
+        def linear_onednn(x, _w, *_rest):
             y = lin(x, w, bias, attr, scalars, algorithm)
             return y if after is None else after(y)
 
-        return linear_packed
+        return linear_onednn
     return _aten_linear(weight, bias, inplace_activation(name, attrs))
 
 

@@ -32,7 +32,7 @@ from ...graph import Graph, Node
 from ...hardware import Hardware
 from ...options import Options
 from ..x86.render import environment
-from .calls import _conv_geometry, activation_attrs
+from .calls import _conv_geometry, activation_attrs, holds_constants
 from .generated import activation_c, activation_why_not, load_kernel
 
 Kernel = Callable[..., Any]
@@ -60,10 +60,10 @@ def why_not(graph: Graph, node: Node, device: torch.device) -> str | None:
     x_t = graph.values[node.inputs[0]]
     if x_t.rank != 4 or x_t.dtype != "float32":
         return f"not a float32 4-d input ({x_t.dtype}, rank {x_t.rank})"
-    if node.inputs[1] not in graph.params:
+    if not graph.is_param(node.inputs[1]):
         return "weight is computed"
     residual = bool(node.attrs.get("residual", False))
-    if len(node.inputs) - int(residual) == 3 and node.inputs[2] not in graph.params:
+    if len(node.inputs) - int(residual) == 3 and not graph.is_param(node.inputs[2]):
         return "bias is computed"
     return activation_why_not(node)
 
@@ -193,4 +193,4 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
 
     conv_direct.algorithm = "direct" + (" depthwise" if _depthwise(geo) else " blocked")  # type: ignore[attr-defined]
     conv_direct.keep = (packed, bias)  # type: ignore[attr-defined]
-    return conv_direct
+    return holds_constants(conv_direct, node)

@@ -23,7 +23,7 @@ from ...graph import Graph, Node
 from ...hardware import Hardware
 from ...options import Options
 from ..x86.render import environment
-from .calls import activation_attrs
+from .calls import activation_attrs, holds_constants
 from .generated import activation_c, activation_why_not, load_kernel
 
 Kernel = Callable[..., Any]
@@ -47,9 +47,9 @@ def why_not(graph: Graph, node: Node, device: torch.device) -> str | None:
     x_t = graph.values[node.inputs[0]]
     if x_t.dtype != "float32" or x_t.rank < 2:
         return f"not a float32 input of rank >= 2 ({x_t.dtype}, rank {x_t.rank})"
-    if node.inputs[1] not in graph.params:
+    if not graph.is_param(node.inputs[1]):
         return "weight is computed"
-    if len(node.inputs) > 2 and node.inputs[2] not in graph.params:
+    if len(node.inputs) > 2 and not graph.is_param(node.inputs[2]):
         return "bias is computed"
     rows = rows_of(graph, node)
     if rows > MAX_ROWS:
@@ -106,4 +106,4 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
 
     linear_gemv.algorithm = "gemv"  # type: ignore[attr-defined]
     linear_gemv.keep = (weight, bias)  # type: ignore[attr-defined]
-    return linear_gemv
+    return holds_constants(linear_gemv, node)

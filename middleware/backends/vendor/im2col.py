@@ -14,7 +14,7 @@ import torch
 from ...graph import Graph, Node
 from ...hardware import Hardware
 from ...options import Options
-from .calls import _conv_geometry, activation_attrs, inplace_activation
+from .calls import _conv_geometry, activation_attrs, holds_constants, inplace_activation
 
 Kernel = Callable[..., Any]
 
@@ -31,10 +31,10 @@ def im2col_applies(graph: Graph, node: Node, device: torch.device, options: Opti
     x_t = graph.values[node.inputs[0]]
     if x_t.rank != 4 or x_t.dtype not in IM2COL_DTYPES:
         return f"not a float32/float64 4-d input ({x_t.dtype}, rank {x_t.rank})"
-    if node.inputs[1] not in graph.params:
+    if not graph.is_param(node.inputs[1]):
         return "weight is computed"
     residual = bool(node.attrs.get("residual", False))
-    if len(node.inputs) - int(residual) == 3 and node.inputs[2] not in graph.params:
+    if len(node.inputs) - int(residual) == 3 and not graph.is_param(node.inputs[2]):
         return "bias is computed"
     return None
 
@@ -140,4 +140,4 @@ def im2col_kernel(graph: Graph, node: Node) -> Kernel:
         return per_sample * min(n, ch) + padded
 
     conv_im2col.workspace_bytes = workspace  # type: ignore[attr-defined]
-    return conv_im2col
+    return holds_constants(conv_im2col, node)

@@ -48,7 +48,7 @@ from ..x86.build import c_build_request, load_shared
 from ..x86.cfuncs import c_expr
 from ..x86.compile import build_c
 from ..x86.render import environment
-from .calls import _conv_geometry, activation_attrs
+from .calls import _conv_geometry, activation_attrs, holds_constants
 
 # When a convolution runs as Winograd (else oneDNN's direct call). Measured on the 2-core
 # AVX-512 host (torch 2.14.1), ReLU epilogue, against the prepacked oneDNN call, with an
@@ -133,10 +133,10 @@ def why_not_applicable(graph: Graph, node: Node) -> str | None:
     c, k = x_t.shape[1], out_t.shape[1]
     if c % CHANNEL_MULTIPLE or k % CHANNEL_MULTIPLE:
         return f"{c}->{k} channels (the transforms want multiples of {CHANNEL_MULTIPLE})"
-    if node.inputs[1] not in graph.params:
+    if not graph.is_param(node.inputs[1]):
         return "weight is computed"
     residual = bool(a.get("residual", False))
-    if len(node.inputs) - int(residual) == 3 and node.inputs[2] not in graph.params:
+    if len(node.inputs) - int(residual) == 3 and not graph.is_param(node.inputs[2]):
         return "bias is computed"
     return None
 
@@ -328,6 +328,9 @@ def winograd_kernel(
 
     conv_winograd.algorithm = "winograd F(4x4,3x3)"  # type: ignore[attr-defined]
     conv_winograd.workspace_bytes = workspace  # type: ignore[attr-defined]
+    # the tensors behind the raw pointers the C calls get: alive as long as the call (the
+    # graph drops its arrays once the plan is built: pipeline.release_held_params)
+    conv_winograd.keep = (u, w_direct, bias)  # type: ignore[attr-defined]
     if residual:
 
         def conv_winograd_into_residual(x, _w, *rest):
@@ -339,4 +342,4 @@ def winograd_kernel(
             return r
 
         conv_winograd.into_residual = conv_winograd_into_residual  # type: ignore[attr-defined]
-    return conv_winograd
+    return holds_constants(conv_winograd, node)

@@ -46,7 +46,7 @@ from ..x86.build import load_shared
 from ..x86.cfuncs import c_expr, c_float
 from ..x86.compile import build_c
 from . import winograd as wg
-from .calls import _conv_geometry
+from .calls import _conv_geometry, holds_constants
 
 M_TILE = 2  # output tile
 R = 3  # kernel
@@ -365,6 +365,8 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> An
 
     conv_winograd_f2.algorithm = "winograd F(2x2,3x3)"  # type: ignore[attr-defined]
     conv_winograd_f2.workspace_bytes = workspace  # type: ignore[attr-defined]
+    # the tensors behind the raw pointers the C calls get (see winograd.py)
+    conv_winograd_f2.keep = (u, w_direct, bias)  # type: ignore[attr-defined]
     if ep.residual:
 
         def conv_winograd_f2_into_residual(x, _w, *rest):
@@ -375,4 +377,4 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> An
             return r
 
         conv_winograd_f2.into_residual = conv_winograd_f2_into_residual  # type: ignore[attr-defined]
-    return conv_winograd_f2
+    return holds_constants(conv_winograd_f2, node)
