@@ -7,6 +7,7 @@ capsule of one, that the user still holds; memory nobody holds is reused (no new
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -111,3 +112,14 @@ def test_small_outputs_and_other_devices_are_left_to_the_allocator() -> None:
     assert Recycled.applies(TensorType((16, 64, 56, 56)), torch.device("cpu"))
     assert not Recycled.applies(TensorType((16, 64, 56, 56)), torch.device("cuda"))
     np.testing.assert_equal(Recycled.KEEP >= 2, True)
+
+
+def test_profiler_counts_kept_outputs_as_io_not_parameters() -> None:
+    model, xs = _model_and_inputs("nchw")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the profiler warns when its peak misses the plan's
+        result = middleware.profile(model, xs, repeats=1)
+    out_bytes = model(*xs).numel() * 4
+    assert result.optimized.param_bytes == 0, result  # the model has no parameters
+    assert result.optimized.peak_io_bytes >= out_bytes + sum(x.numel() * 4 for x in xs)
+    assert result.optimized.peak_io_bytes == result.planned_peak_io_bytes, result

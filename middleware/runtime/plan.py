@@ -70,6 +70,7 @@ class Plan:
         self.memory = None
         self.arena: torch.Tensor | None = None
         self._unplanned = self._program
+        self.recycled: list[Any] = []  # planned_steps.Recycled of the graph outputs
         self._busy = threading.Lock()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Plan:
@@ -81,6 +82,7 @@ class Plan:
     def use_memory_plan(self, planned: Any) -> None:  # planned: memory.PlannedUnits
         """Run the steps through the buffer plan's functions (same values, reused memory)."""
         self.memory, self.arena = planned.memory, planned.arena
+        self.recycled = planned.recycled
         self._program = [
             (fn, ins, outs, multi, frees)
             for fn, (_, ins, outs, multi, frees) in zip(planned.fns, self._unplanned, strict=True)
@@ -94,8 +96,10 @@ class Plan:
     held_params: frozenset[str] = frozenset()
 
     def arenas(self) -> list[torch.Tensor]:
-        """The buffer plan's arena(s), live for as long as the plan."""
-        return [] if self.arena is None else [self.arena]
+        """The buffer plan's arena(s), live for as long as the plan, and the output buffers
+        it keeps between calls (``planned_steps.Recycled``): I/O memory the plan holds."""
+        kept = [t for r in self.recycled for t in r.buffers()]
+        return ([] if self.arena is None else [self.arena]) + kept
 
     @property
     def arena_bytes(self) -> int:

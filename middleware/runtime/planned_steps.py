@@ -31,6 +31,8 @@ class PlannedUnits:
     memory: MemoryPlan
     arena: torch.Tensor | None
     fns: list[Callable[..., Any]]
+    # the graph outputs' kept buffers (Recycled), held by the plan between calls
+    recycled: list[Recycled] = dataclasses.field(default_factory=list)
 
 
 def build_steps(
@@ -83,7 +85,10 @@ def build_steps(
         getters[v] = g
         return g
 
-    fns = [_step_fn(pl, i, u, where, scratch, getter, holders) for i, u in enumerate(units)]
+    recycled: list[Recycled] = []
+    fns = [
+        _step_fn(pl, i, u, where, scratch, getter, holders, recycled) for i, u in enumerate(units)
+    ]
     for i in pl.copies:  # planned as copies: never an alias at run time
         if fns[i] is units[i].fn:
             fns[i] = _fresh_result(fns[i])
@@ -104,7 +109,7 @@ def build_steps(
             _checked(fn, i, u, memory, arena)
             for i, (fn, u) in enumerate(zip(fns, units, strict=True))
         ]
-    return PlannedUnits(memory, arena, fns)
+    return PlannedUnits(memory, arena, fns, recycled)
 
 
 class MemoryCheckError(RuntimeError):
@@ -204,6 +209,10 @@ class Recycled:
         self.kept: list[tuple[torch.Tensor, tuple[int, bool, int, int]]] = []
         self.next = 0  # the kept buffer a new allocation replaces
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers kept (each also in the hands of the user or free for the next call)."""
+        return [kept for kept, _ in self.kept]
+
     def _state(self, kept: torch.Tensor) -> tuple[int, bool, int, int]:
         """Where the buffer is, whether it is shared memory, and who holds its storage."""
         st = kept.untyped_storage()
@@ -238,8 +247,10 @@ def _step_fn(
     scratch: dict[int, list[str]],
     getter: Callable[[str], Callable[[], torch.Tensor]],
     holders: dict[str, list[Any]],
+    recycled_pools: list[Recycled],
 ) -> Callable[..., Any]:
-    """The function the plan calls for unit ``i`` under the memory plan."""
+    """The function the plan calls for unit ``i`` under the memory plan (a graph output's
+    ``Recycled`` buffers are appended to ``recycled_pools``)."""
     form = pl.forms[i]
     if i in pl.inplace_fn:
         return pl.inplace_fn[i]
@@ -266,6 +277,7 @@ def _step_fn(
         # a graph output written through its destination form into memory that the user
         # has let go of (see Recycled): no page faults for a fresh allocation per call
         recycled, out_form = Recycled(pl.graph.values[y], pl.device), form[0]
+        recycled_pools.append(recycled)
 
         def into_recycled(*ins):
             o = recycled.take()
