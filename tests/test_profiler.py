@@ -170,3 +170,15 @@ def test_profile_command_line_on_a_user_file(tmp_path, capsys) -> None:  # noqa:
     assert rc == 0
     assert "small: batch 2, input 3x12x12" in out and "peak I/O memory" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profiler_counts_weights_a_step_reads_through_raw_pointers() -> None:
+    """A generated algorithm (gemv) reads its weight by pointer, unseen by the dispatcher:
+    the optimized parameter memory still counts it (Plan.held_tensors)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 512)
+    result = middleware.profile(model, x, repeats=1, algorithms={"linear": "gemv"})
+    opt_rows = [g for g in result.groups if "linear" in g.ops]
+    assert opt_rows, result
+    assert result.optimized.param_bytes >= 512 * 256 * 4, result

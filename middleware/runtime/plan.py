@@ -105,6 +105,16 @@ class Plan:
     def arena_bytes(self) -> int:
         return 0 if self.memory is None else self.memory.arena_bytes
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Tensors the steps hold themselves (``fn.keep``: an algorithm's packed or
+        transformed weights read through raw pointers, which the dispatcher never sees)."""
+        return [
+            t
+            for st in self.steps
+            for t in getattr(st.fn, "keep", ())
+            if isinstance(t, torch.Tensor)
+        ]
+
     def param_tensors(self) -> list[torch.Tensor]:
         """The plan's constants (weights, folded batch-norm parameters)."""
         return [t for t in self._template if isinstance(t, torch.Tensor)]

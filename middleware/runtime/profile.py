@@ -286,12 +286,14 @@ def measure_peak(
     inputs: Sequence[torch.Tensor],
     persistent_io: Sequence[torch.Tensor] = (),
     params: Sequence[torch.Tensor] = (),
+    held: Sequence[torch.Tensor] = (),
 ) -> tuple[int, int]:
     """(parameter bytes, peak I/O bytes) of one call ``fn(*inputs)`` under ``no_grad``.
 
     The inputs and ``persistent_io`` (e.g. an arena) count as live I/O from the start.
-    On CPU, parameter bytes are the pre-existing storages the call reads; on CUDA they are
-    the unique storages of ``params``.
+    On CPU, parameter bytes are the pre-existing storages the call reads, plus ``held``
+    (storages a step reads through raw pointers, unseen by the dispatcher); on CUDA they
+    are the unique storages of ``params``.
     """
     device = inputs[0].device if inputs else torch.device("cpu")
     if device.type == "cuda":
@@ -303,6 +305,10 @@ def measure_peak(
             out = fn(*inputs)
         peak = tracker.peak_io
         del out
+    for t in held:
+        key, nbytes, _ = tracker._storage(t)
+        if key not in tracker._live and key not in tracker._params:
+            tracker._params[key] = nbytes
     return tracker.param_bytes, peak
 
 
@@ -354,7 +360,11 @@ def measure(
     arena = plan.arenas() if plan is not None else []
     plan_params = plan.param_tensors() if plan is not None else []
     p_param, p_peak = measure_peak(
-        optimized, inputs, persistent_io=arena, params=plan_params or model_params
+        optimized,
+        inputs,
+        persistent_io=arena,
+        params=plan_params or model_params,
+        held=plan.held_tensors() if plan is not None else (),
     )
     o_lat = _latency_ms(model, inputs, repeats, device)
     p_lat = _latency_ms(optimized, inputs, repeats, device)
@@ -368,6 +378,17 @@ def measure(
             times = plan.step_times(inputs, max(1, min(repeats, 3)))
         graph = plan.graph
         notes.extend(plan.notes)
+        extra: dict[str, int] = {}
+        for r in optimized.report().rows:
+            if r.extra_bytes:
+                extra[r.algorithm] = extra.get(r.algorithm, 0) + r.extra_bytes
+        if extra:
+            notes.append(
+                "algorithms' extra parameter and workspace memory (in the optimized "
+                f"parameter and peak I/O figures): {sum(extra.values()) / MIB:.2f} MiB ("
+                + ", ".join(f"{a} {b / MIB:.2f}" for a, b in sorted(extra.items()))
+                + ")"
+            )
         rows = zip(plan.steps, times, plan.step_placements(), plan.step_out_bytes(), strict=True)
         for st, ms, place, nbytes in rows:
             groups.append(
