@@ -105,6 +105,7 @@ class Engine:
         else:
             self.run = model
         self.times: list[float] = []
+        self.backward_times: list[float] = []  # loss.backward() alone
         self.losses: list[float] = []
 
     def step(self, x: torch.Tensor, y: torch.Tensor, keep_grads: bool = False) -> dict:
@@ -113,7 +114,9 @@ class Engine:
         with switch:  # the first call builds the plan
             out = self.run(x)
         loss = F.cross_entropy(out, y)
+        t1 = time.perf_counter()
         loss.backward()
+        self.backward_times.append((time.perf_counter() - t1) * 1e3)
         grads = {}
         if keep_grads:
             grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
@@ -158,6 +161,7 @@ def measure(net: str, batch: int, rounds: int, engines: Sequence[str], seed: int
             runs[e].step(x, y)
     for eng in runs.values():  # timed rounds only
         eng.times.clear()
+        eng.backward_times.clear()
     order = random.Random(seed)
     gc.disable()
     try:
@@ -176,6 +180,7 @@ def measure(net: str, batch: int, rounds: int, engines: Sequence[str], seed: int
     return {
         "net": net,
         "ms": {e: statistics.median(r.times) for e, r in runs.items()},
+        "backward_ms": {e: statistics.median(r.backward_times) for e, r in runs.items()},
         "first_s": compile_s,
         "peak": peaks,
         "loss_err": loss_err,
@@ -197,11 +202,15 @@ def markdown(rows: Sequence[dict], engines: Sequence[str], meta: str) -> str:
         "| network | "
         + " | ".join(f"{e} ms" for e in engines)
         + " | fastest other / middleware | peak MiB eager | peak MiB middleware | "
-        + ("peak MiB recompute | recompute / middleware ms | " if ab else "")
+        + (
+            "peak MiB recompute | recompute / middleware ms | backward ms middleware, recompute | "
+            if ab
+            else ""
+        )
         + "memory ratio | loss rel. diff (max over steps) | grad rel. err (worst parameter) | "
         "first step s |"
     )
-    lines = [meta, "", head, "|" + "---|" * (len(engines) + 8 + 2 * ab)]
+    lines = [meta, "", head, "|" + "---|" * (len(engines) + 8 + 3 * ab)]
     speed, mem, ab_speed = [], [], []
     for r in rows:
         ms = r["ms"]
@@ -213,7 +222,11 @@ def markdown(rows: Sequence[dict], engines: Sequence[str], meta: str) -> str:
         extra = ""
         if ab:
             ab_speed.append(ms["recompute"] / ms["middleware"])
-            extra = f"{r['peak']['recompute'] / MIB:.0f} | {ab_speed[-1]:.2f}x | "
+            bwd = r["backward_ms"]
+            extra = (
+                f"{r['peak']['recompute'] / MIB:.0f} | {ab_speed[-1]:.2f}x | "
+                f"{bwd['middleware']:.0f}, {bwd['recompute']:.0f} | "
+            )
         errs = ", ".join(f"{e} {v:.1e}" for e, v in r["loss_err"].items() if e != "eager")
         gerrs = ", ".join(f"{e} {v:.1e}" for e, v in r["grad_err"].items() if e != "eager")
         first = ", ".join(f"{e} {v:.1f}" for e, v in r["first_s"].items())
@@ -226,7 +239,7 @@ def markdown(rows: Sequence[dict], engines: Sequence[str], meta: str) -> str:
     ab_mean = f" | {geomean(ab_speed):.2f}x" if ab else ""
     lines.append(
         f"| geometric mean | {' | '.join('' for _ in engines)} | {geomean(speed):.2f}x | |"
-        f"{' |' if ab else ''}{ab_mean} | {geomean(mem):.2f} | | | |"
+        f"{' |' if ab else ''}{ab_mean}{' |' if ab else ''} | {geomean(mem):.2f} | | | |"
     )
     return "\n".join(lines)
 

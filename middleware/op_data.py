@@ -11,7 +11,7 @@ import torch
 from . import loops
 from .enums import Bound
 from .graph import Graph, Node
-from .loops import NotFusable
+from .loops import Load, NotFusable, OpLoops
 from .op_registry import GradEmitter, Kernel, OpDef, OutForm, OutVariant, register
 
 
@@ -33,6 +33,23 @@ def _cat_out(node: Node, graph: Graph) -> OutForm:
     return cat_out, ()
 
 
+def _cat_grad(e: GradEmitter, node: Node, gy: str) -> tuple[str | None, ...]:
+    """A channel concat's gradient: each input's channels of the output gradient
+    (``narrow`` nodes; only from the output gradient's exact form)."""
+    out_t = e.type_of(node.outputs[0])
+    dim = int(node.attrs["dim"]) % max(1, out_t.rank)
+    if dim != 1 or out_t.rank not in (2, 4):
+        raise NotFusable(f"cat along dim {dim} of a rank {out_t.rank} value has no backward rule")
+    if e.type_of(gy).shape != out_t.shape:
+        raise NotFusable("cat's output gradient reaches it in broadcast form")
+    grads, off = [], 0
+    for v in node.inputs:
+        ch = e.type_of(v).shape[1]
+        grads.append(e.emit("narrow", (gy,), {"dim": 1, "start": off, "length": ch}))
+        off += ch
+    return tuple(grads)
+
+
 # torch.cat writes a contiguous result when its inputs' strides disagree: stride-strict
 register(
     OpDef(
@@ -45,6 +62,39 @@ register(
         layout_preserving=True,
         stride_strict=True,
         out=OutVariant(_cat_out),
+        grad=_cat_grad,
+    )
+)
+
+
+def _narrow(node: Node) -> Kernel:
+    dim, start, length = (int(node.attrs[k]) for k in ("dim", "start", "length"))
+
+    def narrow(x):
+        return x.narrow(dim, start, length)
+
+    return narrow
+
+
+def _narrow_loops(graph: Graph, node: Node) -> OpLoops:
+    (x,) = node.inputs
+    rank = graph.values[x].rank
+    if int(node.attrs["dim"]) != 1 or rank not in (2, 4):
+        raise NotFusable(f"narrow along dim {node.attrs['dim']} of a rank {rank} value")
+    return OpLoops("pointwise", Load(x, ("n", f"c + {int(node.attrs['start'])}", "h", "w")))
+
+
+# ``narrow(x)``, attrs ``dim`` (1), ``start``, ``length``: channels start.. of x, the
+# gradient of one input of a concat (emitted by ``cat``'s backward rule, never by a
+# frontend; its reference is a view, its generated kernel a copy)
+register(
+    OpDef(
+        "narrow",
+        Bound.IO,
+        _narrow,
+        flops_per_elem=0.0,
+        loops=_narrow_loops,
+        per_sample=True,
     )
 )
 

@@ -436,6 +436,30 @@ def test_pooling_head_gradients_through_generated_backward() -> None:
     assert all(r.startswith("backward: generated") for r in rows.values()), rows
 
 
+class Fire(nn.Module):
+    """squeezenet's fire module: two activations concatenated along the channels (the
+    concat's gradient: each input's channels of the output gradient, ``narrow``)."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(c, 3, 1)
+        self.b = nn.Conv2d(c, 5, 3, padding=1)
+        self.out = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.cat([F.relu(self.a(x)), F.silu(self.b(x)) * 1.5], 1))
+
+
+@pytest.mark.parametrize("layout", ["nhwc", pytest.param("nchw", marks=pytest.mark.slow)])
+def test_concat_gradients_through_generated_backward(layout: str) -> None:
+    model = nondegenerate(Fire()).train()
+    x = _layout(torch.randn(2, 4, 5, 7), layout)
+    optimized = check_training_matches(model, x, layout=layout)
+    rows = _backward_rows(optimized)
+    assert "cat" in rows, optimized.report().verbose()
+    assert all(r.startswith("backward: generated") for r in rows.values()), rows
+
+
 class PoolAfterRelu(nn.Module):
     """ReLU then max-pooling in one group: max-pooling has no backward rule (its routing
     through the recomputed argmax is not generated), so the group's backward recomputes

@@ -698,11 +698,11 @@ def test_spelling_lowers_to_op(op: str, make, shapes, tree_close) -> None:
 def test_every_catalogue_op_is_covered() -> None:
     """Every op of the catalogue is exercised by a frontend spelling above or a hand-built
     graph below (``fallback`` is covered by tests/test_frontend.py, ``to_layout`` — which
-    only the layout pass inserts — by tests/test_layout.py, ``pointwise_grad`` — which only
-    the backward rules emit — by tests/test_generated_backward.py)."""
+    only the layout pass inserts — by tests/test_layout.py, ``pointwise_grad`` and
+    ``narrow`` — which only the backward rules emit — by tests/test_generated_backward.py)."""
     by_spelling = {c[1] for c in CASES}
     by_hand = {"maxpool_relu", "conv2d", "linear"}
-    elsewhere = {"fallback", "to_layout", "pointwise_grad"}
+    elsewhere = {"fallback", "to_layout", "pointwise_grad", "narrow"}
     missing = set(CATALOGUE) - by_spelling - by_hand - elsewhere
     assert not missing, f"catalogue ops without a test: {sorted(missing)}"
 
