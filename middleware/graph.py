@@ -9,7 +9,10 @@ lives in a graph except the opaque callable of a fallback node.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -96,6 +99,11 @@ PARAM_SOURCES = "param_sources"
 # transformed weight), so the graph stops holding a second one. The value keeps its type;
 # ``Graph.evaluate`` refuses to run a node that reads it.
 RELEASED_PARAMS = "released_params"
+# ``graph.meta[RELEASE_AS_BUILT]``: set by the pipeline on a graph whose units it is
+# building: a vendor call that holds its own copy of a weight read by no other node then
+# swaps the graph's array for a stand-in right away (``Graph.stand_in_params``), so that
+# the folded and the prepacked copy of every layer are not alive at once.
+RELEASE_AS_BUILT = "release_as_built"
 # ``graph.meta[TRAINING]``: True for a graph traced for a training plan; the passes then
 # never fold a parameter that needs a gradient into a derived constant.
 TRAINING = "training"
@@ -236,6 +244,31 @@ class Graph:
             return
         for n in gone:
             del self.params[n]
+        self._record_released(gone)
+        return_freed_memory()
+
+    def stand_in_params(self, names: Sequence[str], why: str) -> None:
+        """Swap the arrays of parameters ``names`` for stand-ins that hold no memory (a
+        zero-stride view of one NaN, same shape and dtype), recorded in
+        ``meta[RELEASED_PARAMS]`` with ``why``: while a plan builds (``RELEASE_AS_BUILT``)
+        the buffer planner still sees a parameter, but no copy of its weight; the plan
+        builder refuses to make a constant of a stand-in and the pipeline removes them
+        (:meth:`release_params`) once the plan is built."""
+        gone = {n: why for n in names if n in self.params}
+        for n in gone:
+            a = self.params[n]
+            self.params[n] = np.lib.stride_tricks.as_strided(
+                np.full(1, np.nan, a.dtype), a.shape, (0,) * a.ndim, writeable=False
+            )
+        if gone:
+            self._record_released(gone)
+            return_freed_memory()
+
+    def released(self) -> Mapping[str, str]:
+        """Parameters released (or stood in for) and why (``meta[RELEASED_PARAMS]``)."""
+        return self.meta.get(RELEASED_PARAMS, {})
+
+    def _record_released(self, gone: Mapping[str, str]) -> None:
         # a new mapping, never changed in place: copies of the graph share meta's values
         self.meta[RELEASED_PARAMS] = {**self.meta.get(RELEASED_PARAMS, {}), **gone}
 
@@ -346,6 +379,30 @@ class Graph:
                 for v, o in zip(n.outputs, out, strict=True):
                     env[v] = o
         return map_tree(self.output_tree, env.__getitem__)
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim``; nothing
+    elsewhere; about 0.3 ms). Released parameter arrays, and what tracing and the passes
+    freed, are mostly below glibc's mmap threshold (which rises to 32 MiB once the
+    framework has freed large tensors): they stay in the heap, resident, until trimmed.
+    Measured at batch 16 (resident memory, MiB): resnet50 after optimize() 1052 without
+    the trims, 968 with them; resnet18's peak while its plan builds 920 with one trim at
+    the end, 859 with one after each layer's release (``RELEASE_AS_BUILT``)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
 
 
 # How a node's reference implementation is bound (``ops.OpDef.bind``). The op catalogue

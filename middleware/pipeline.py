@@ -8,17 +8,14 @@ backend of ``options.device``, and the backend answers the device-specific ones.
 from __future__ import annotations
 
 import copy
-import ctypes
-import functools
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
 
 from .backends import Backend, backend_for
 from .frontends import trace
-from .graph import Graph
+from .graph import RELEASE_AS_BUILT, Graph, return_freed_memory
 from .hardware import Hardware, for_options
 from .options import Options
 from .passes import run_passes
@@ -45,14 +42,21 @@ def compile_graph(
     backend = backend_for(device)
     hardware = for_options(options)
     graph = run_passes(graph, options, hardware)
+    return_freed_memory()  # the passes' temporaries (folding works in float64)
     graph = _fallbacks_on(graph, device)
     cut = batch_slice(graph, options, hardware, auto=backend.slices_batch)
     if cut is not None:
         pre, post = split_graph(graph, cut)
-        plans = [
-            _plan(backend, pre, options, hardware, device),
-            _plan(backend, post, options, hardware, device, owned=cut.values),
-        ]
+        # while the two plans build, the halves alone hold the weights they read, so that
+        # a weight released as its call is built (RELEASE_AS_BUILT) is freed at once
+        order = _lend_params(graph, (pre, post))
+        try:
+            plans = [
+                _plan(backend, pre, options, hardware, device),
+                _plan(backend, post, options, hardware, device, owned=cut.values),
+            ]
+        finally:
+            _take_back_params(graph, (pre, post), order)
         plan = ChunkedPlan(graph, cut, plans[0], plans[1], device)
         graphs = [graph, pre, post]
     else:
@@ -60,8 +64,40 @@ def compile_graph(
         plan, graphs = plans[0], [graph]
     plan = backend.finish(plan, options, inputs)
     report = make_report(graph, plan, hardware)
-    release_held_params(graphs + [p.graph for p in plans], plans)
+    graphs += [p.graph for p in plans]
+    release_held_params(graphs, plans)
+    for g in graphs:  # stand-ins left where the other half reads the weight: no value
+        g.release_params([v for v in g.released() if v in g.params], "released while built")
+    return_freed_memory()
     return Compiled(graph, plan, report)
+
+
+def _lend_params(graph: Graph, halves: Sequence[Graph]) -> list[str]:
+    """Take out of ``graph`` the parameters ``halves`` hold too; returns the order of all
+    of ``graph``'s parameters, for :func:`_take_back_params`."""
+    order = list(graph.params)
+    for v in order:
+        if any(v in h.params for h in halves):
+            del graph.params[v]
+    return order
+
+
+def _take_back_params(graph: Graph, halves: Sequence[Graph], order: Sequence[str]) -> None:
+    """Put back into ``graph`` (in ``order``) each lent parameter's array from a half that
+    still holds it; one that every half released comes back as a stand-in."""
+    params, stood = {}, []
+    for v in order:
+        if v in graph.params:
+            params[v] = graph.params[v]
+            continue
+        held = [h for h in halves if v in h.params]
+        real = [h.params[v] for h in held if v not in h.released()]
+        if real or held:
+            params[v] = real[0] if real else held[0].params[v]
+            if not real:
+                stood.append(v)
+    graph.params = params
+    graph.stand_in_params(stood, "released while built")
 
 
 def release_held_params(graphs: Sequence[Graph], plans: Sequence[Plan]) -> list[str]:
@@ -80,26 +116,7 @@ def release_held_params(graphs: Sequence[Graph], plans: Sequence[Plan]) -> list[
         why = "the plan holds its own copy: a prepacked or transformed weight"
         for g in {id(g): g for g in graphs}.values():
             g.release_params(released, why)
-        trim = _malloc_trim()
-        if trim is not None:
-            trim(0)
     return released
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None elsewhere. The released arrays are mostly below
-    glibc's mmap threshold (which rises to 32 MiB once the framework has freed large
-    tensors), so they sit in the heap and freeing them lowers no resident memory until
-    the heap's free pages are handed back to the kernel (measured on resnet50 at batch 16:
-    89.6 MiB of folded weights released, resident memory after optimize() 1052 MiB
-    without the trim, 968 MiB with it)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except OSError:
-        return None
 
 
 def _plan(
@@ -111,10 +128,15 @@ def _plan(
     owned: tuple[str, ...] = (),
 ) -> Plan:
     graph = backend.lower(graph, options)
+    graph.meta[RELEASE_AS_BUILT] = True  # see middleware.graph
+    try:
+        units = backend.units(graph, options, hardware, device)
+    finally:
+        graph.meta.pop(RELEASE_AS_BUILT, None)
     return build_plan(
         graph,
         device,
-        backend.units(graph, options, hardware, device),
+        units,
         plan_memory=options.plan_memory,
         owned=owned,
         check_memory=options.check_memory,

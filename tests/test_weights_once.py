@@ -176,3 +176,33 @@ def test_linear_at_many_rows_runs_on_the_users_weight() -> None:
                 model[3].weight.data_ptr(),
             }
         _check(opt, model, x)
+
+
+def test_a_weight_is_released_as_its_call_is_built() -> None:
+    """While the pipeline builds a plan (``RELEASE_AS_BUILT``), a folded weight read by one
+    layer only is swapped for a stand-in without memory as soon as that layer's call holds
+    its own copy; the user's own tensors and weights another node reads stay."""
+    from middleware.backends.vendor.algorithms import choose
+    from middleware.graph import RELEASE_AS_BUILT
+    from middleware.hardware import for_options
+    from middleware.options import Options
+    from middleware.passes import run_passes
+
+    model = _model()
+    x = torch.randn(2, 3, 12, 12)
+    options = Options(measure_hardware=False)
+    hw = for_options(options)
+    g = run_passes(middleware.trace(model, x), options, hw)
+    users = _user_ptrs(model)
+    derived = {v for v, a in g.params.items() if _array_ptr(a) not in users}
+    assert derived, "batch-norm folded into the convolutions"
+    g.meta[RELEASE_AS_BUILT] = True
+    for n in list(g.nodes()):
+        if n.op in ("conv2d", "linear"):
+            choose(g, n, torch.device("cpu"), options, hw)
+    stood = set(g.released())
+    assert stood == derived
+    assert all(g.params[v].strides == (0,) * g.params[v].ndim for v in stood)
+    assert all(_array_ptr(a) in users for v, a in g.params.items() if v not in stood)
+    with pytest.raises(RuntimeError, match="released"):
+        g.evaluate(x)

@@ -225,6 +225,12 @@ def build_plan(
     constants: dict[int, torch.Tensor] = {}
     sources = graph.meta.get(PARAM_SOURCES, {})
     unread = unread_params(graph, units)
+    stood_in = [p for p in graph.released() if p in graph.params and p not in unread]
+    if stood_in:  # a vendor call released a weight that another step still reads
+        raise RuntimeError(
+            f"build_plan: a step reads parameter {stood_in[0]!r}, which was released while "
+            f"the plan was built ({graph.released()[stood_in[0]]})"
+        )
     held: set[str] = set()
     for p, arr in graph.params.items():
         layout = graph.values[p].layout

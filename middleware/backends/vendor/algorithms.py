@@ -56,11 +56,12 @@ import numpy as np
 import torch
 
 from ...errors import CompileError, OptionsError
-from ...graph import Graph, Node
+from ...graph import PARAM_SOURCES, RELEASE_AS_BUILT, Graph, Node
 from ...hardware import Hardware
 from ...ops import get_op
 from ...options import Options
 from ...version import __version__
+from ..interface import held_inputs
 from ..x86.build import load_shared
 from ..x86.compile import build_c
 from . import direct, gemv, tuning
@@ -596,7 +597,48 @@ def choose(
     """The call for ``node`` by ``options.algorithms``: the named algorithm where it
     applies (and builds), else the default with the reason; None where no algorithm
     offers a call. ``index``: the node's position among its op's nodes (computed when
-    not given). Unknown names raise :class:`OptionsError` listing the known ones."""
+    not given). Unknown names raise :class:`OptionsError` listing the known ones.
+
+    On a graph marked ``RELEASE_AS_BUILT`` (the pipeline's, while it builds the plan),
+    the weights the chosen call holds its own copy of are released as soon as it is
+    built (:func:`release_built`)."""
+    choice = _choose(graph, node, device, options, hardware, index)
+    if choice is not None and graph.meta.get(RELEASE_AS_BUILT):
+        release_built(graph, node, choice.fn)
+    return choice
+
+
+def release_built(graph: Graph, node: Node, fn: Kernel) -> list[str]:
+    """Stand in for the arrays of the parameters ``fn`` holds its own copy of
+    (``interface.held_inputs``) where ``node`` is their only reader and they are not the
+    user's own memory (a folded weight and bias): the plan will keep no constant for them
+    and nothing else reads them, so the prepacked or transformed copy need not share the
+    process with the folded one until the whole plan is built. Returns the names."""
+    sources = graph.meta.get(PARAM_SOURCES, {})
+    outputs = set(graph.output_values())
+    names = []
+    for i in held_inputs(fn):
+        v = node.inputs[i]
+        arr = graph.params.get(v)
+        if arr is None or v in outputs or v in graph.released():
+            continue
+        source = sources.get(v)
+        if source is not None and source[0] is arr:
+            continue  # the user's own memory: releasing it frees nothing
+        if [c.name for c in graph.consumers(v)] == [node.name]:
+            names.append(v)
+    graph.stand_in_params(names, f"held by {node.name}'s call (built from it)")
+    return names
+
+
+def _choose(
+    graph: Graph,
+    node: Node,
+    device: torch.device,
+    options: Options,
+    hardware: Hardware,
+    index: int | None,
+) -> Choice | None:
     if node.op not in ALGORITHMS:
         return None
     if index is None:
