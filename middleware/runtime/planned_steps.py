@@ -270,7 +270,7 @@ def _step_fn(
         where[root] == "fresh"
         and y == root
         and form is not None
-        and not scratch.get(i)
+        and not form[1]  # no scratch outputs: a fresh class gets no scratch (max-pool's indices)
         and pl.kind.get(y) != "view"
         and Recycled.applies(pl.graph.values[y], pl.device)
     ):
