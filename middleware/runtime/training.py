@@ -13,8 +13,8 @@ optimizer's in-place updates are what the next step reads.
   ``passes/autodiff.differentiate`` builds one backward graph per input gradient, which
   recomputes the forward nodes it needs from the saved inputs, and the same code
   generator makes it a depth-first kernel: intermediates recomputed inside its tiles, not
-  stored). Elsewhere (no rule: pooling, views, concat; a broadcast intermediate whose
-  gradient needs a reduction; a compile failure) the backward recomputes the group's
+  stored). Elsewhere (no rule: max and average pooling, split; a gradient that would need
+  a reduction inside the group; a compile failure) the backward recomputes the group's
   intermediates with the nodes' catalogue implementations and differentiates them
   (``torch.autograd.grad``); ``report()`` says which, and why, per group.
 - Convolutions, matrix products and every other node run through their catalogue
@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,7 +52,7 @@ from ..loops import NotFusable
 from ..ops import get_op
 from ..options import Options
 from ..passes import run_passes
-from ..passes.autodiff import differentiate, fit
+from ..passes.autodiff import Backward, Gradient, differentiate, fit
 from .plan import Step
 from .report import Report, make_report
 
@@ -97,7 +98,15 @@ class _GroupFunction(torch.autograd.Function):
         group: FusedGroup = ctx.group
         need = ctx.needs_input_grad[1:]
         if group.backward is not None:
-            return (None, *group.backward(ctx.saved_tensors, need, grads))
+            try:
+                return (None, *group.backward(ctx.saved_tensors, need, grads))
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot run: PyTorch's way
+                warnings.warn(
+                    f"group {group.name}'s generated backward failed ({type(e).__name__}: "
+                    f"{e}); this step recomputes it through PyTorch",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         return (None, *group.input_grads(ctx.saved_tensors, need, grads))
 
 
@@ -452,8 +461,8 @@ def backward_kernels(
     its backward recomputes through PyTorch. The kernels build from a thread pool, as the
     forward groups do (``fusion_units``)."""
     result: dict[str, tuple[GeneratedBackward | None, str]] = {}
-    todo: list[tuple[str, Any, int, Any]] = []  # (group key, Backward, index, gradient)
-    derived: dict[str, Any] = {}
+    todo: list[tuple[str, Gradient]] = []  # (group key, a distinct gradient to build)
+    derived: dict[str, Backward] = {}
     for key, u in fused.items():
         if len(u.outputs) != 1:
             result[key] = (None, f"{len(u.outputs)} outputs")
@@ -464,22 +473,27 @@ def backward_kernels(
             result[key] = (None, str(e))
             continue
         seen: set[str] = set()
-        for i, g in enumerate(derived[key].gradients):
+        for g in derived[key].gradients:
             if g is not None and g.nodes and g.value not in seen:
                 seen.add(g.value)
-                todo.append((key, derived[key], i, g))
+                todo.append((key, g))
     workers = max(1, min(len(todo), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [
-            pool.submit(_build_gradient, backend, g, options, hardware) for _, _, _, g in todo
-        ]
+        futures = [pool.submit(_build_gradient, backend, g, options, hardware) for _, g in todo]
         built = [f.result() for f in futures]
     kernels: dict[tuple[str, str], Any] = {}
-    for (key, _, _, g), (kernel, err) in zip(todo, built, strict=True):
-        if err is not None:
-            result.setdefault(key, (None, f"generating the gradient of {g.input} failed: {err}"))
-        else:
+    for (key, g), (kernel, err) in zip(todo, built, strict=True):
+        if err is None:
             kernels[(key, g.value)] = kernel
+            continue
+        if not isinstance(err, NotFusable):  # a compile failure or a generator bug: say so
+            warnings.warn(
+                f"group {fused[key].name}'s backward recomputes through PyTorch: generating "
+                f"the gradient of {g.input} failed with {type(err).__name__}: {err}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        result.setdefault(key, (None, f"generating the gradient of {g.input} failed: {err}"))
     for key, b in derived.items():
         if key in result:
             continue
@@ -497,16 +511,15 @@ def backward_kernels(
 
 
 def _build_gradient(
-    backend: Any, g: Any, options: Options, hardware: Hardware
-) -> tuple[Any, str | None]:
+    backend: Any, g: Gradient, options: Options, hardware: Hardware
+) -> tuple[Any, BaseException | None]:
+    """The kernel of one gradient graph, or the error (sorted out by the caller)."""
     try:
         kernel = backend.build(g.graph, g.nodes, options, hardware)
-    except NotFusable as e:
-        return None, f"not fusable: {e}"
     except Exception as e:  # noqa: BLE001 - a generator failure keeps the PyTorch backward
-        return None, f"{type(e).__name__}: {e}"
+        return None, e
     if tuple(kernel.outputs) != (g.value,):
-        return None, f"its kernel writes {kernel.outputs}, not {g.value}"
+        return None, RuntimeError(f"its kernel writes {kernel.outputs}, not {g.value}")
     return kernel, None
 
 
