@@ -296,6 +296,9 @@ class DynamoPlan:
     def param_tensors(self) -> list:
         return []
 
+    def held_tensors(self) -> list:
+        return []
+
     def step_times(self, inputs: Sequence[torch.Tensor], repeats: int) -> list:
         return []
 

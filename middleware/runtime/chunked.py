@@ -87,6 +87,9 @@ class ChunkedPlan:
     def param_tensors(self) -> list[torch.Tensor]:
         return self.prefix.param_tensors() + self.suffix.param_tensors()
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        return self.prefix.held_tensors() + self.suffix.held_tensors()
+
     @property
     def arena_bytes(self) -> int:
         return self.prefix.arena_bytes + self.suffix.arena_bytes
