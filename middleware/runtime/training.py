@@ -134,9 +134,13 @@ class GeneratedBackward:
     gradients: tuple[GeneratedGradient | None, ...]
 
     def kernels(self) -> list[str]:
-        """The kernels' names, one per distinct gradient (two may share a name)."""
-        by_value = {g.value: g.name for g in self.gradients if g and g.kernel}
-        return list(by_value.values())
+        """One line per kernel (per distinct gradient): its name and the inputs whose
+        gradient it computes (two kernels of a group may share a name)."""
+        by_value: dict[str, tuple[str, list[str]]] = {}
+        for x, g in zip(self.inputs, self.gradients, strict=True):
+            if g is not None and g.kernel is not None:
+                by_value.setdefault(g.value, (g.name, []))[1].append(x)
+        return [f"{name} -> d {', '.join(xs)}" for name, xs in by_value.values()]
 
     def __call__(
         self,
