@@ -155,7 +155,10 @@ class Plan:
             return step
 
         program = [(timed(k, p[0]), *p[1:]) for k, p in enumerate(self._program)]
-        out = self._run(list(inputs) if self.consumes_inputs else inputs, program)
+        # the planned steps share the arena and the kept output buffers: a call of the
+        # same plan from another thread meanwhile waits (as run() sends it elsewhere)
+        with self._busy:
+            out = self._run(list(inputs) if self.consumes_inputs else inputs, program)
         return times, out
 
     def step_times(self, inputs: Sequence[torch.Tensor], repeats: int) -> list[float]:
