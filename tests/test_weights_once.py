@@ -206,3 +206,37 @@ def test_a_weight_is_released_as_its_call_is_built() -> None:
     assert all(_array_ptr(a) in users for v, a in g.params.items() if v not in stood)
     with pytest.raises(RuntimeError, match="released"):
         g.evaluate(x)
+
+
+@pytest.mark.parametrize(
+    "algorithm", ["winograd_f4x4", pytest.param("winograd_f2x2", marks=pytest.mark.slow)]
+)
+def test_a_nan_tile_runs_from_the_recovered_folded_weight(algorithm: str) -> None:
+    """Winograd does not hold a folded weight beside its transform: a tile whose input
+    holds a NaN or an infinity runs the direct convolution from the weight recovered from
+    the transform (winograd.DirectWeight), with PyTorch's NaNs and values around them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16),
+        nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16),
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        for bn in (model[1], model[3]):
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.running_mean.normal_()
+    x = torch.randn(2, 16, 12, 12)
+    opt = middleware.optimize(
+        model, example_inputs=[x], measure_hardware=False, fuse=False,
+        algorithms={"conv2d": algorithm},
+    )  # fmt: skip
+    rows = [r for r in opt.report().rows if r.op == "conv2d"]
+    assert algorithm in {r.algorithm for r in rows}, [(r.algorithm, r.reason) for r in rows]
+    x[0, 3, 5, 6] = float("nan")
+    x[1, 7, 2, 9] = float("nan")
+    with torch.inference_mode():
+        got, ref = opt(x), model(x)
+    assert ref.isnan().any() and ref.isfinite().any()
+    torch.testing.assert_close(
+        got, ref, rtol=OPT_RTOL, atol=OPT_ATOL * float(ref[ref.isfinite()].abs().max()),
+        equal_nan=True,
+    )  # fmt: skip

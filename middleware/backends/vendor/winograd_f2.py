@@ -324,8 +324,10 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> An
     c, h, w = x_t.shape[1], x_t.shape[2], x_t.shape[3]
     k, oh, ow = out_t.shape[1], out_t.shape[2], out_t.shape[3]
     (ph, pw), _, _, _ = _conv_geometry(node)
-    u = transform_weight(graph.params[node.inputs[1]])
-    w_direct = torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[1]], np.float32))
+    weight = graph.params[node.inputs[1]]
+    u = transform_weight(weight)
+    direct = wg.DirectWeight(weight, wg.user_weight(graph, node.inputs[1]), u, G)
+    del weight
     bias = (
         torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[2]], dtype=np.float32))
         if ep.bias
@@ -345,10 +347,11 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> An
         m_buf = torch.empty(pos * chunk * k, dtype=torch.float32)
         flags = torch.empty(chunk, dtype=torch.uint8)
         res_ptr = res.data_ptr() if res is not None else None
-        xp, fp, wp = x.data_ptr(), flags.data_ptr(), w_direct.data_ptr()
+        xp, fp = x.data_ptr(), flags.data_ptr()
         for t0 in range(0, tiles, chunk):
             t = min(chunk, tiles - t0)
             f_in(xp, v_buf.data_ptr(), h, w, c, ph, pw, t0, t, fp)
+            wp = direct.ptr() if bool(flags[:t].any()) else None  # read for flagged tiles only
             mm = m_buf[: pos * t * k].view(pos, t, k)
             torch.bmm(v_buf[: pos * t * c].view(pos, t, c), u, out=mm)
             f_out(mm.data_ptr(), bias_ptr, res_ptr, y.data_ptr(), oh, ow, k, t0, t,
@@ -366,7 +369,7 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> An
     conv_winograd_f2.algorithm = "winograd F(2x2,3x3)"  # type: ignore[attr-defined]
     conv_winograd_f2.workspace_bytes = workspace  # type: ignore[attr-defined]
     # the tensors behind the raw pointers the C calls get (see winograd.py)
-    conv_winograd_f2.keep = (u, w_direct, bias)  # type: ignore[attr-defined]
+    conv_winograd_f2.keep = (u, direct, bias)  # type: ignore[attr-defined]
     if ep.residual:
 
         def conv_winograd_f2_into_residual(x, _w, *rest):
