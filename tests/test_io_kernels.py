@@ -284,9 +284,10 @@ WINDOW_FORMS = [
     # NCHW rows, stride 2, staged plane with non-temporal stores
     ("nchw", (5, 17, 23, 37), maxpool(3, 2, 1), ("wrow0_", "wout0_", "_mm512_stream_ps")),
     ("nchw", (5, 3, 23, 37), avgpool(3, 2, 1, cip=False), ("wrow0_", "wout0_", "wdiv0_")),
-    # NCHW flat plane (stride 1, 33 >= 16 columns), non-temporal stores
-    ("nchw", (5, 17, 19, 33), maxpool(3, 1, 1), ("wrow0_", "wv_", "_mm512_stream_ps")),
-    ("nchw", (5, 3, 19, 33), avgpool(3, 1, 1, cip=False), ("wv_", "wdiv0_")),
+    # NCHW flat plane (stride 1, 33 >= 16 columns): both passes in registers, column taps
+    # shifted by valignd, lanes from mask tables; non-temporal stores
+    ("nchw", (5, 17, 19, 33), maxpool(3, 1, 1), ("wrow0_c0_", "alignr", "_mm512_stream_ps")),
+    ("nchw", (5, 3, 19, 33), avgpool(3, 1, 1, cip=False), ("wrow0_r0_", "alignr", "wdiv0_")),
     # channels_last rows, 17 channels (a masked last chunk)
     ("nhwc", (5, 17, 23, 37), maxpool(3, 2, 1), ("wrow0_", "xd_")),
     ("nhwc", (1, 17, 23, 37), avgpool(3, 2, 1, ceil=True, cip=False), ("wrow0_", "wdiv0_")),
