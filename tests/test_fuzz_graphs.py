@@ -4,7 +4,7 @@ pooling) with odd shapes, batch 1-5 and both layouts, through ``optimize()`` aga
 original module (PyTorch eager, the reference), within 1e-4 of the output's scale.
 
 Derandomized (the same examples in every run). ``MIDDLEWARE_FUZZ_EXAMPLES`` sets the count
-(default 400, about 45 s; 1000 or more for a long run: the generated kernels' compile time
+(default 200, about 30 s; 1000 or more for a long run: the generated kernels' compile time
 doubled with the AVX-512 code of issue 18, and the default run must stay within CI's time). Every fourth example generates kernels (a C
 compile each, through one shared cache); the others run the same passes, planner and
 runtime with the framework's kernels, so the suite stays within CI's time.
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import middleware
 
-EXAMPLES = int(os.environ.get("MIDDLEWARE_FUZZ_EXAMPLES", "400"))
+EXAMPLES = int(os.environ.get("MIDDLEWARE_FUZZ_EXAMPLES", "200"))
 
 UNARY = {
     "relu": torch.relu,
