@@ -80,18 +80,24 @@ def main(argv: list[str] | None = None) -> int:
         opt(x)
         report("chain 16x64x112x112", opt, x)
         plan = opt._latest.plan
-        kernel = plan.steps[0].fn
-        y = kernel(x)
+        step = plan.steps[0]
+        kernel = step.fn
+        # the step's arguments as the plan passes them: the input, and constants (the batch
+        # norm's folded scale and shift) from the plan's slot template
+        env = list(plan._template)
+        env[plan.input_slots[0]] = x
+        args = [env[i] for i in step.ins]
+        y = kernel(*args)
         launch = getattr(kernel, "launcher", None)
         parts = {
-            "step fn (alloc + launch)": lambda: kernel(x),
+            "step fn (alloc + launch)": lambda: kernel(*args),
             "torch.empty_like(out)": lambda: torch.empty_like(y),
             "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(0).cuda_stream,
         }
         if hasattr(kernel, "out"):
-            parts["kernel.out (launch only)"] = lambda: kernel.out(x, y)
+            parts["kernel.out (launch only)"] = lambda: kernel.out(*args, y)
         if launch is not None:
-            ptrs = [x.data_ptr(), y.data_ptr()]
+            ptrs = [a.data_ptr() for a in args] + [y.data_ptr()]
             parts["launcher.launch"] = lambda: launch.launch(kernel._grid, kernel._block, ptrs)
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:

@@ -80,9 +80,12 @@ def test_cache_key_holds_the_architecture(cache_dir):
     assert not meta.exists() or "sm_80" in meta.read_text()
 
 
-def test_generated_source_is_sync_free_and_coalesced():
+def test_generated_source_is_sync_free_and_coalesced(monkeypatch):
     """No barriers or shared memory; each output is walked in its memory order (the
     contiguous dim is the fastest-varying index of consecutive threads)."""
+    from middleware.backends.cuda import render
+
+    monkeypatch.setattr(render, "ILP", 2)  # the two-element form (gpu_diag's variant)
     for layout, inner in (("nchw", 3), ("nhwc", 1)):
         graph, names = CASES["bn_relu_maxpool"](layout)
         src = render_schedule(schedule_of(graph, names), FAKE_GPU).source

@@ -112,6 +112,47 @@ def test_direct_launch_passes_the_handles_and_a_per_thread_pointer_array(fake, m
     assert not any(c[0] == "launch" for c in fake.calls)  # cuda.bindings' launch unused
 
 
+def test_bound_launch_of_a_loaded_kernel(fake, monkeypatch):
+    """LoadedKernel takes the loader's launch specialised to its function (``bind``): the
+    handle converted once, the current stream of the kernel's device read at every launch,
+    a kernelParams array per thread, errors named as in the generic path."""
+    import threading
+
+    seen = []
+
+    def direct(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        slots = (ctypes.c_void_p * 2).from_address(params)
+        values = [ctypes.c_void_p.from_address(slots[i]).value for i in range(2)]
+        seen.append((f, gx, bx, stream, values, params))
+        return 7 if values[0] == 0xBAD else 0
+
+    class Handle:  # a CUfunction that converts to its int handle
+        def __int__(self):
+            return 0xF00
+
+    monkeypatch.setattr(loader_mod, "_direct_launch", lambda: direct)
+    streams = iter([11, 12, 13, 14])
+    monkeypatch.setattr(loader_mod, "current_stream_handle", lambda: lambda dev: next(streams))
+    ld = loader_mod.CudaBindingsLoader()
+    monkeypatch.setattr(ld, "load", lambda cubin, function, device: Handle())
+    fake.CUresult = int
+    kernel = loader_mod.LoadedKernel(b"cubin", "k", 2, ld)
+    assert "launch" in vars(kernel)  # the bound form, not the method
+    kernel.launch(5, 128, [0x10, 0x20])
+    kernel.launch(6, 128, [0x30, 0x40])
+    assert [s[:5] for s in seen] == [
+        (0xF00, 5, 128, 11, [0x10, 0x20]),
+        (0xF00, 6, 128, 12, [0x30, 0x40]),
+    ]
+    assert seen[0][5] == seen[1][5]  # one thread: its array reused
+    other = threading.Thread(target=kernel.launch, args=(1, 32, [0x50, 0x60]))
+    other.start()
+    other.join()
+    assert seen[-1][4] == [0x50, 0x60] and seen[-1][5] != seen[0][5]
+    with pytest.raises(DeviceError, match="cuLaunchKernel"):
+        kernel.launch(1, 32, [0xBAD, 0x1])
+
+
 def test_cuda_bindings_errors_name_the_call(fake):
     ld = loader_mod.CudaBindingsLoader()
     fn = ld.load(b"\x7fELF", "k", 0)

@@ -48,6 +48,26 @@ def channels_last(x: torch.Tensor) -> bool:
     )
 
 
+def dense_signature(inputs: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], tuple]:
+    """``(dense(inputs), signature)`` in one pass over the inputs, each one's signature
+    ``(shape, dtype, device, channels_last)``: a call's lookup key, on the path every call of
+    an optimized module takes (fewer tensor queries than the two functions apart)."""
+    sig = []
+    made = None
+    for i, x in enumerate(inputs):
+        if x.is_contiguous():
+            cl = False
+        elif x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+            cl = True
+        else:
+            x, cl = x.contiguous(), False
+            if made is None:
+                made = list(inputs)
+            made[i] = x
+        sig.append((tuple(x.shape), x.dtype, x.device, cl))
+    return (inputs if made is None else tuple(made)), tuple(sig)
+
+
 def dense(inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     """Inputs stored neither contiguous nor channels_last (a transposed or sliced view) are
     made contiguous: plans read their inputs in a declared layout."""

@@ -25,7 +25,7 @@ from .inputs import (
     InputSpec,
     channels_last,
     check_inputs,
-    dense,
+    dense_signature,
     first_line,
     rejected,
     unsupported_inputs,
@@ -242,8 +242,7 @@ class OptimizedModule(nn.Module):
                 f"keyword inputs ({', '.join(kwargs)}) are not supported; pass tensors positionally"
             )
         try:
-            inputs = dense(inputs)
-            sig = tuple((tuple(x.shape), x.dtype, x.device, channels_last(x)) for x in inputs)
+            inputs, sig = dense_signature(inputs)
         except AttributeError:
             self._check_types(inputs)
             raise

@@ -21,6 +21,8 @@ from .emulate import emulated_launcher
 from .loader import LoadedKernel, get_loader
 from .render import RenderedKernel, render_schedule
 
+_F32 = torch.float32
+
 
 class Launcher(Protocol):
     def launch(self, grid: int, block: int, ptrs: Sequence[int]) -> None: ...
@@ -40,6 +42,10 @@ def _dense(x: torch.Tensor, size: torch.Size, fmt: torch.memory_format) -> torch
     return x if x.is_contiguous(memory_format=fmt) else x.contiguous(memory_format=fmt)
 
 
+def _strides(size: torch.Size, fmt: torch.memory_format) -> tuple[int, ...]:
+    return torch.empty(size, device="meta", memory_format=fmt).stride()
+
+
 class GeneratedKernel:
     """``kernel(*inputs)`` returns the group's output(s); ``kernel.out(*inputs, *outputs)``
     writes into preallocated outputs (the destination-passing form). Outputs must not
@@ -54,20 +60,36 @@ class GeneratedKernel:
         self._ins = [(torch.Size(t.shape), memory_format_of(t)) for t in rendered.in_types]
         self._outs = [(torch.Size(t.shape), memory_format_of(t)) for t in rendered.out_types]
         self._single = self._outs[0] if len(self._outs) == 1 else None
+        # the single output's (size, strides): torch.empty_strided parses fewer arguments
+        # than torch.empty(..., memory_format=...)
+        self._single_strided = (
+            (self._single[0], _strides(*self._single)) if self._single is not None else None
+        )
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
+        single = self._single
+        if single is not None and len(inputs) == self._n_in:
+            # the common case (one output, inputs already laid out as the kernel reads
+            # them): the fewest Python operations between the call and the launch, since a
+            # step-by-step plan on a GPU is bound by this host time on small kernels
+            ptrs = []
+            for x, (size, fmt) in zip(inputs, self._ins, strict=True):
+                if x.dtype is not _F32 or x.shape != size or not x.is_contiguous(memory_format=fmt):
+                    break
+                ptrs.append(x.data_ptr())
+            else:
+                size, strides = self._single_strided
+                out = torch.empty_strided(size, strides, dtype=_F32, device=inputs[0].device)
+                ptrs.append(out.data_ptr())
+                self.launcher.launch(self._grid, self._block, ptrs)
+                return out
         dev = inputs[0].device if inputs else torch.device("cpu")
-        if self._single is not None:  # one output: the common case, without the lists
-            size, fmt = self._single
-            out = torch.empty(size, dtype=torch.float32, device=dev, memory_format=fmt)
-            self.out(*inputs, out)
-            return out
         outs = [
             torch.empty(size, dtype=torch.float32, device=dev, memory_format=fmt)
             for size, fmt in self._outs
         ]
         self.out(*inputs, *outs)
-        return tuple(outs)
+        return outs[0] if single is not None else tuple(outs)
 
     def out(self, *args: torch.Tensor) -> None:
         n = self._n_in

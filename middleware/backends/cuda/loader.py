@@ -108,13 +108,9 @@ class CudaBindingsLoader:
             arrays = self._local.params = {}
         entry = arrays.get(n)
         if entry is None:
-            values = (ctypes.c_void_p * n)()
-            base, size = ctypes.addressof(values), ctypes.sizeof(ctypes.c_void_p)
-            params = (ctypes.c_void_p * n)(*[base + i * size for i in range(n)])
-            entry = arrays[n] = (values, params, ctypes.addressof(params))
-        values, _, address = entry
-        for i, p in enumerate(ptrs):
-            values[i] = p
+            entry = arrays[n] = _params_array(n)
+        values, address = entry
+        values[:] = ptrs
         direct = self._direct
         if direct is not None:  # libcuda's cuLaunchKernel through ctypes: the fast path
             try:
@@ -131,6 +127,44 @@ class CudaBindingsLoader:
             cu_stream = self._streams[stream] = self.cu.CUstream(stream)
         (err,) = self.cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, cu_stream, address, 0)
         self._check(err, "cuLaunchKernel")
+
+    def bind(self, fn: Any, device: int, stream_of: Any) -> Any:
+        """``launch(grid, block, ptrs)`` for ``fn`` on PyTorch's current stream of
+        ``device``, through libcuda's ``cuLaunchKernel`` with the function handle converted
+        once and a kernelParams array per thread; None where the direct path is missing
+        (then ``launch`` serves)."""
+        direct = self._direct
+        if direct is None:
+            return None
+        try:
+            handle = int(fn)
+        except TypeError:  # a cuda.bindings without int(CUfunction)
+            return None
+        local = threading.local()
+        check, result = self._check, self.cu.CUresult
+
+        def launch(grid: int, block: int, ptrs: Sequence[int]) -> None:
+            try:
+                values, address = local.arrays
+            except AttributeError:
+                values, address = local.arrays = _params_array(len(ptrs))
+            values[:] = ptrs
+            err = direct(handle, grid, 1, 1, block, 1, 1, 0, stream_of(device), address, None)
+            if err:
+                check(result(err), "cuLaunchKernel")
+
+        return launch
+
+
+def _params_array(n: int) -> tuple[Any, int]:
+    """(values, address of kernelParams): ``n`` argument slots and the array of pointers to
+    them that cuLaunchKernel takes (the driver copies the values at launch, so both are
+    reused from launch to launch; the pointer array lives as long as ``values``)."""
+    values = (ctypes.c_void_p * n)()
+    base, size = ctypes.addressof(values), ctypes.sizeof(ctypes.c_void_p)
+    params = (ctypes.c_void_p * n)(*[base + i * size for i in range(n)])
+    values._params = params  # type: ignore[attr-defined]  # kept alive with the values
+    return values, ctypes.addressof(params)
 
 
 def _direct_launch() -> Any:
@@ -229,6 +263,10 @@ class LoadedKernel:
         self.function = function
         self._fn = loader.load(cubin, function, device)
         self._stream = current_stream_handle()
+        bind = getattr(loader, "bind", None)
+        fast = bind(self._fn, device, self._stream) if bind is not None else None
+        if fast is not None:  # the loader's launch specialised to this function
+            self.launch = fast  # type: ignore[method-assign]
 
     def launch(self, grid: int, block: int, ptrs: Sequence[int]) -> None:
         self.loader.launch(self._fn, grid, block, ptrs, self._stream(self.device))
