@@ -95,6 +95,14 @@ class Options:
     # replay copies its inputs and clones its outputs) and kept only where faster; True
     # always replays, False runs the plan's steps one by one.
     cuda_graphs: bool | str = "auto"
+    # On CUDA, how a plan holds the network's weights. "copy": batch norms folded into the
+    # convolution weights and every convolution weight copied channels_last once, so that
+    # cuDNN reads it as it is (a second copy of the weights on the GPU). "share": the plan
+    # keeps no copy: convolutions read the model's own weights (PyTorch lays them out for
+    # cuDNN at each call, a transient copy of one layer's weight) and a batch norm is a
+    # per-channel multiply-add in the generated kernel after its convolution. The CPU
+    # backends share every weight their vendor calls can read as it is, whatever this says.
+    cuda_weights: str = "copy"
     # Debug: after every planned step, verify that no output lands in arena bytes its value
     # was not planned in (a framework allocation aliasing a live arena value); raises
     # runtime.memory.MemoryCheckError. Default: $MIDDLEWARE_CHECK_MEMORY.
@@ -113,6 +121,11 @@ class Options:
             raise OptionsError(
                 f"tune_budget_s={self.tune_budget_s!r}: give the seconds autotuning may "
                 "spend (a number >= 0), or None for no cap"
+            )
+        if self.cuda_weights not in ("copy", "share"):
+            raise OptionsError(
+                f'cuda_weights={self.cuda_weights!r}: use "copy" (folded, channels_last '
+                'weights held by the plan) or "share" (the model\'s own weights, no copy)'
             )
         if self.cuda_graphs not in (True, False, "auto"):
             raise OptionsError(

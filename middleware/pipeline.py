@@ -8,6 +8,7 @@ backend of ``options.device``, and the backend answers the device-specific ones.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -41,7 +42,15 @@ def compile_graph(
     device = torch.device(options.device)
     backend = backend_for(device)
     hardware = for_options(options)
-    graph = run_passes(graph, options, hardware)
+    off = backend.passes_off(options)
+    pass_options = (
+        dataclasses.replace(
+            options, disable_passes=tuple(dict.fromkeys((*options.disable_passes, *off)))
+        )
+        if off
+        else options
+    )
+    graph = run_passes(graph, pass_options, hardware)
     return_freed_memory()  # the passes' temporaries (folding works in float64)
     graph = _fallbacks_on(graph, device)
     cut = batch_slice(graph, options, hardware, auto=backend.slices_batch)

@@ -305,3 +305,58 @@ def test_cuda_graphs_auto_keeps_the_faster_way(monkeypatch, graph_ms, steps_ms, 
     always = graphs.CudaGraphPlan(FakePlan(), decide=False)  # cuda_graphs=True: no timing
     assert always.capture([torch.zeros(1)]) and always.chosen is None
     assert always.run([1])[0] == "replayed"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_shared_weights_keep_no_copy(layout, tmp_path):
+    """``cuda_weights="share"``: batch norms stay unfolded (a multiply-add after the
+    convolution), every convolution reads the model's own weight storage, and the plan
+    still matches PyTorch; "copy" (the default) folds and copies them instead."""
+    from middleware.backends.cuda.backend import CudaBackend
+    from middleware.passes import run_passes
+
+    model = _randomise_bn(SmallNet())
+    x = torch.randn(2, 3, 12, 10)
+    xin = x.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else x
+    conv_ptrs = {model.conv1.weight.data_ptr(), model.conv2.weight.data_ptr()}
+    backend = CudaBackend()
+    for mode in ("share", "copy"):
+        options = Options(
+            device="cuda",
+            cache_dir=tmp_path,
+            measure_hardware=False,
+            layout=layout,
+            cuda_weights=mode,
+        )
+        off = backend.passes_off(options)
+        assert off == (("fold_batchnorm",) if mode == "share" else ())
+        passes = Options(
+            device="cuda",
+            cache_dir=tmp_path,
+            measure_hardware=False,
+            layout=layout,
+            cuda_weights=mode,
+            disable_passes=off,
+        )
+        graph = backend.lower(run_passes(middleware.trace(model, x), passes, FAKE_GPU), options)
+        units = cuda_units(graph, options, FAKE_GPU, torch.device("cpu"), emulate=True)
+        plan = build_plan(graph, torch.device("cpu"), units)
+        held = {t.data_ptr() for t in plan._template if isinstance(t, torch.Tensor)}
+        if mode == "share":
+            assert conv_ptrs <= held
+            assert all(
+                graph.values[graph.node(n).inputs[1]].layout == "nchw"
+                for n in [m.name for m in graph.nodes() if m.op == "conv2d"]
+            )
+        else:
+            assert not conv_ptrs & held  # folded into new weights
+        with torch.no_grad():
+            torch.testing.assert_close(plan.run([xin]), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_cuda_weights_option_is_checked():
+    from middleware.errors import OptionsError
+
+    with pytest.raises(OptionsError, match="cuda_weights='shared'.*\"share\""):
+        Options(cuda_weights="shared")

@@ -160,6 +160,12 @@ class Backend(Protocol):
         the reason."""
         ...
 
+    def passes_off(self, options: Options) -> tuple[str, ...]:
+        """Passes of the pipeline this backend turns off for ``options`` (beyond
+        ``options.disable_passes``): e.g. batch-norm folding where the plan must not hold
+        folded copies of the weights."""
+        ...
+
     def lower(self, graph: Graph, options: Options) -> Graph:
         """The device's own rewrites of a passed graph (identity where there are none)."""
         ...

@@ -48,9 +48,15 @@ class CudaBackend:
         reason = why_unsupported(graph, list(nodes), hardware)
         return not reason, reason
 
+    def passes_off(self, options: Options) -> tuple[str, ...]:
+        """``cuda_weights="share"``: batch norms stay unfolded (a folded weight is a copy)."""
+        return ("fold_batchnorm",) if options.cuda_weights == "share" else ()
+
     def lower(self, graph: Graph, options: Options) -> Graph:
-        """Batch norms as a per-channel multiply-add, convolution weights channels_last."""
-        return channels_last_weights(affine_batch_norms(graph))
+        """Batch norms as a per-channel multiply-add; convolution weights channels_last
+        unless the plan shares the model's weights (``cuda_weights="share"``)."""
+        graph = affine_batch_norms(graph)
+        return graph if options.cuda_weights == "share" else channels_last_weights(graph)
 
     def units(
         self, graph: Graph, options: Options, hardware: Hardware, device: torch.device

@@ -221,9 +221,9 @@ def cuda_units(
             reason = why[n.name]
         ep = epilogues.get(n.name)
         if runs_as == RunsAs.VENDOR and ep is not None and ep.name() in ep_launchers:
-            fn = make_conv(
-                n, ep, ep_launchers[ep.name()], hardware, _conv_weight(graph, n, ep, device)
-            )
+            # cuda_weights="share": the plan's constant (the model's own weight) serves
+            weight = None if options.cuda_weights == "share" else _conv_weight(graph, n, ep, device)
+            fn = make_conv(n, ep, ep_launchers[ep.name()], hardware, weight)
             reason = "cuDNN convolution + generated epilogue (" + ep.name() + ")"
         elif runs_as == RunsAs.VENDOR and vendor_kernel is not None and not emulate:
             fn = vendor_kernel(graph, n, device, hardware) or fn

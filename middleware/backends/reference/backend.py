@@ -330,6 +330,9 @@ class ReferenceBackend:
         return True, ""
 
     # ------------------------------------------------- the pipeline's interface
+    def passes_off(self, options: Options) -> tuple[str, ...]:
+        return ()
+
     def lower(self, graph: Graph, options: Options) -> Graph:
         return graph
 

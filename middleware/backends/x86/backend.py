@@ -117,6 +117,10 @@ class X86Backend:
     stages = ("schedule", "render", "compile", "load")
     use_index = True  # consult the group index (backends/x86/index.py) before scheduling
 
+    def passes_off(self, options: Options) -> tuple[str, ...]:
+        """None: every pass of the pipeline runs."""
+        return ()
+
     def can_run(
         self,
         graph: Graph,
