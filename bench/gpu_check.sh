@@ -8,25 +8,26 @@
 #               /tmp/site, then the project itself: pip install --no-deps
 #               --no-build-isolation -e . (falls back to running from the source tree);
 # 3. tests    : the CUDA tests for real (tests/test_cuda_gpu.py; the emulation and nvcc
-#               tests run in CI without a GPU);
+#               tests run in CI without a GPU); meanwhile, memory: bench/gpu_memory.py,
+#               the peak GPU memory of the eleven networks under reduce-overhead and the
+#               middleware (weights copied / shared), each (network, mode) in a process of
+#               its own, six side by side (memory is per process; no time is taken);
 # 4. chain    : bench/gpu_chain.py: BN -> ReLU -> MaxPool 3x3/2 on 16x64x112x112 fp32,
 #               eager (cudnn.benchmark, NCHW/channels_last), torch.compile, middleware,
-#               and the device-to-device copy bandwidth; bench/gpu_diag.py: the chain's
-#               kernel variants (parts of the chain left out); bench/gpu_overhead.py: the
-#               host time per call of step-by-step plans against their GPU time;
+#               and the device-to-device copy bandwidth; bench/gpu_overhead.py: the host
+#               time per call of step-by-step plans against their GPU time;
+#               (MW_GPU_VARIANTS=1) bench/gpu_diag.py: the chain's kernel variants;
 # 5. zoo      : bench/zoo.py --device cuda if it has that option and a --budget-s, else
 #               bench/gpu_zoo.py: eleven torchvision networks at batch 16 within a budget:
-#               eager (NCHW, channels_last), torch.compile (reduce-overhead, default,
-#               max-autotune-no-cudagraphs, as far as the budget reaches), the middleware
-#               step by step and replayed as a CUDA graph; peak allocator bytes per mode.
+#               eager (NCHW, channels_last), torch.compile (reduce-overhead, then the
+#               default as far as the budget reaches; MW_GPU_COMPILE_MODES overrides), the
+#               middleware step by step, replayed as a CUDA graph, and replayed with the
+#               model's own weights (cuda_weights="share"); in-process allocator peaks.
 #
-# 4b. memory   : (only with MW_GPU_MEMORY=1) bench/gpu_memory.py: the peak GPU memory of
-#               three networks under reduce-overhead and the middleware, each in a process
-#               of its own (the in-process zoo figures are unreliable for torch.compile);
-#
-# Every step has its own timeout (total at most about 8 minutes) and the script never
-# stops at a failed step. Results go to $OUT if set, else bench/results/: summary.txt,
-# tests.log, chain.json, chain.log, zoo.json, zoo.md, zoo.log (at most 8 files).
+# Every step has its own timeout (total at most MW_GPU_CHECK_S seconds, 470 by default)
+# and the script never stops at a failed step. Results go to $OUT if set, else
+# bench/results/: summary.txt, tests.log, memory.json, chain.json, chain.log, zoo.json,
+# zoo.md, zoo.log (8 files: the device tool brings back at most 8).
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -91,22 +92,26 @@ if ! "$PY" -c "import middleware.backends.cuda" >>"$RES/tests.log" 2>&1; then
 fi
 "$PY" -c "import islpy" 2>/dev/null || note "   islpy missing: carry its wheel in .whl/ (see the README)"
 
-# 3. tests
+# 3. tests, and memory beside them (its log in tests.log too)
+MEM_S=${MW_GPU_MEMORY_S:-110}
+note "== memory (limit ${MEM_S}s, beside the tests) $(date -u +%H:%M:%S)"
+timeout -k 10 "$((MEM_S + 10))" "$PY" bench/gpu_memory.py --budget-s "$MEM_S" --jobs 6 \
+  --nets alexnet,vgg16,resnet18,resnet50,densenet121,squeezenet1_1,mobilenet_v2,mobilenet_v3_small,googlenet,inception_v3,shufflenet_v2_x1_0 \
+  --modes compile_ro,mw_graph,mw_share --out "$RES/memory.json" >>"$RES/tests.log" 2>&1 &
+MEM_PID=$!
 step tests 120 "$RES/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider -o addopts= \
   -m "not slow or gpu" tests/test_cuda_gpu.py tests/test_cuda_loader.py
+wait "$MEM_PID"
+note "== memory rc=$? (peak MiB whole process / steady state)"
+grep "^| " "$RES/tests.log" | tail -n 13 | tee -a "$SUMMARY"
 
 # 4. chain, and variants of its kernel (tiled / one thread per output, parts left out)
 step chain 90 "$RES/chain.log" "$PY" bench/gpu_chain.py --out "$RES/chain.json"
-step variants 75 "$RES/chain.log" "$PY" bench/gpu_diag.py --nets ""
+if [ "${MW_GPU_VARIANTS:-0}" = 1 ]; then
+  step variants 75 "$RES/chain.log" "$PY" bench/gpu_diag.py --nets ""
+fi
 # host time per call of step-by-step plans against their GPU time (bench/gpu_overhead.py)
 step overhead 60 "$RES/chain.log" "$PY" bench/gpu_overhead.py
-
-# 4b. (MW_GPU_MEMORY=1) peak memory, each (network, mode) in a process of its own
-if [ "${MW_GPU_MEMORY:-0}" = 1 ]; then
-  step memory 160 "$RES/memory.log" "$PY" bench/gpu_memory.py --budget-s 150 \
-    --nets alexnet,vgg16,resnet50 --modes compile_ro,mw_graph,mw_default \
-    --out "$RES/memory.json"
-fi
 
 # 5. zoo: what is left of the budget (8 minutes unless MW_GPU_CHECK_S says otherwise)
 LEFT=$((${MW_GPU_CHECK_S:-470} - ($(date +%s) - T0)))
@@ -117,7 +122,8 @@ elif [ -f bench/zoo.py ] && grep -q -- '"--device"' bench/zoo.py && grep -q -- '
     --budget-s $((LEFT - 20)) --out "$RES/zoo.md"
 else
   step zoo "$LEFT" "$RES/zoo.log" "$PY" bench/gpu_zoo.py --batch 16 \
+    --compile-modes "${MW_GPU_COMPILE_MODES:-compile_ro,compile}" \
     --budget-s $((LEFT - 20)) --out "$RES/zoo.json"
 fi
-[ -f "$RES/zoo.md" ] && cat "$RES/zoo.md" >>"$SUMMARY"
+[ -f "$RES/zoo.md" ] && tee -a "$SUMMARY" <"$RES/zoo.md"
 note "== total $(($(date +%s) - T0))s"

@@ -5,8 +5,11 @@ left allocated; ``torch.compile``'s CUDA-graph pools and caches make those figur
 unreliable (the same 196.1 MiB for most networks under ``reduce-overhead``). Here each
 child process loads the model onto the GPU, builds one mode, runs it three times and
 reports the allocator's peak over the whole process (``torch.cuda.max_memory_allocated``:
-the model's own weights included, the same for every mode) and what the mode added over the
-model and its input.
+the model's own weights included, the same for every mode), what the mode added over the
+model and its input, and the steady-state peak (the peak counter reset after those calls,
+then three more: without cuDNN's benchmark-mode trials and compilation); for the
+middleware, the bytes of weight copies its plan holds beside the model's own. Children
+may run side by side (``--jobs``): memory is per process, and no time is taken.
 
 Usage (on a machine with a GPU)::
 
@@ -17,14 +20,32 @@ Usage (on a machine with a GPU)::
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-MODES = ("eager", "eager_cl", "compile", "compile_ro", "middleware", "mw_graph", "mw_default")
+MODES = (
+    "eager",
+    "eager_cl",
+    "compile",
+    "compile_ro",
+    "middleware",
+    "mw_graph",
+    "mw_default",
+    "mw_share",
+)
+# the middleware's modes: (cuda_graphs, cuda_weights)
+MW_MODES = {
+    "middleware": (False, "copy"),
+    "mw_graph": (True, "copy"),
+    "mw_default": ("auto", "copy"),
+    "mw_share": (True, "share"),
+}
 
 
 def child(net: str, mode: str, batch: int) -> dict:
@@ -46,28 +67,49 @@ def child(net: str, mode: str, batch: int) -> dict:
     with torch.no_grad():
         if mode.startswith("compile"):
             fn = torch.compile(model, mode="reduce-overhead" if mode == "compile_ro" else None)
-        elif mode.startswith("mw") or mode == "middleware":
+        elif mode in MW_MODES:
             import middleware
 
-            graphs = {"middleware": False, "mw_graph": True, "mw_default": "auto"}[mode]
+            graphs, weights = MW_MODES[mode]
             fn = middleware.optimize(
                 model,
                 device="cuda",
                 example_inputs=(x,),
                 cache_dir=Path(tempfile.mkdtemp(prefix="mw-mem-")),
                 cuda_graphs=graphs,
+                cuda_weights=weights,
             )
         else:
             fn = model
         for _ in range(3):
             y = fn(x)
         torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated()
+        # in steady state: cuDNN's benchmark-mode trials (large transient workspaces, in
+        # every mode that calls cuDNN) and compilation are over; what the process holds
+        # and the most it reaches during three more calls
+        del y
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(3):
+            y = fn(x)
+        torch.cuda.synchronize()
+        steady = torch.cuda.max_memory_allocated()
+    extra = {}
+    if mode in MW_MODES:  # what the plan holds beside the model's own weights
+        plan = fn._latest.plan
+        plan = getattr(plan, "plan", plan)  # a CUDA-graph plan wraps the step plan
+        own = {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
+        copies = [t for t in plan.param_tensors() if t.data_ptr() not in own]
+        extra["plan_weight_copies_mib"] = round(
+            sum(t.numel() * t.element_size() for t in copies) / 2**20, 1
+        )
     return {
+        **extra,
         "net": net,
         "mode": mode,
         "model_and_input_mib": round(base / 2**20, 1),
         "peak_mib": round(peak / 2**20, 1),
+        "steady_peak_mib": round(steady / 2**20, 1),
         "added_mib": round((peak - base) / 2**20, 1),
         "out_shape": list(y.shape),
     }
@@ -80,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--budget-s", type=float, default=240.0)
     p.add_argument("--out", type=Path)
+    p.add_argument("--jobs", type=int, default=1, help="children at a time (memory only)")
     p.add_argument("--child", nargs=2, metavar=("NET", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -87,32 +130,43 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     rows = []
-    for net in [n for n in args.nets.split(",") if n]:
-        for mode in [m for m in args.modes.split(",") if m]:
-            left = args.budget_s - (time.perf_counter() - t0)
-            if left < 20:
-                rows.append({"net": net, "mode": mode, "note": "skipped: budget"})
-                continue
-            cmd = [sys.executable, __file__, "--batch", str(args.batch), "--child", net, mode]
-            try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-                line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
-                row = json.loads(line) if r.returncode == 0 and line else None
-                rows.append(
-                    row or {"net": net, "mode": mode, "error": (r.stderr or r.stdout)[-1500:]}
-                )
-            except subprocess.TimeoutExpired:
-                rows.append({"net": net, "mode": mode, "note": "timed out"})
-            print(json.dumps(rows[-1]), flush=True)
+    nets = [n for n in args.nets.split(",") if n]
+    modes = [m for m in args.modes.split(",") if m]
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(max(1, 16 // args.jobs)))
+
+    def run(net: str, mode: str) -> dict:
+        left = args.budget_s - (time.perf_counter() - t0)
+        if left < 20:
+            return {"net": net, "mode": mode, "note": "skipped: budget"}
+        cmd = [sys.executable, __file__, "--batch", str(args.batch), "--child", net, mode]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=left, env=env)
+        except subprocess.TimeoutExpired:
+            return {"net": net, "mode": mode, "note": "timed out"}
+        line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+        row = json.loads(line) if r.returncode == 0 and line else None
+        return row or {"net": net, "mode": mode, "error": (r.stderr or r.stdout)[-1500:]}
+
+    # peak memory is per process: children may run side by side (their timings are not
+    # taken); the slow torch.compile children first
+    work = sorted(((n, m) for m in modes for n in nets), key=lambda nm: not nm[1].startswith("c"))
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for row in pool.map(lambda nm: run(*nm), work):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
             if args.out:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(rows, indent=1))
-    print("| network | " + " | ".join(args.modes.split(",")) + " |")
-    for net in [n for n in args.nets.split(",") if n]:
+    print("| network | " + " | ".join(modes) + " |")
+    for net in nets:
         cells = []
-        for mode in args.modes.split(","):
+        for mode in modes:
             r = next((r for r in rows if r["net"] == net and r["mode"] == mode), {})
-            cells.append(str(r.get("peak_mib", r.get("note", "error"))))
+            cells.append(
+                f"{r['peak_mib']} / {r['steady_peak_mib']}"
+                if "peak_mib" in r
+                else str(r.get("note", "error"))
+            )
         print(f"| {net} | " + " | ".join(cells) + " |")
     return 0
 

@@ -64,7 +64,13 @@ COMPILE_MODES = {
 }
 TORCH_MODES = ("eager", "eager_cl", "compile", "compile_mat", "compile_ro")
 GRAPH_MODES = ("compile_ro", "mw_graph")  # replay a CUDA graph
-COLUMNS = (*TORCH_MODES, "middleware", "mw_graph")
+COLUMNS = (*TORCH_MODES, "middleware", "mw_graph", "mw_share")
+# the middleware's columns: (cuda_graphs, cuda_weights)
+MW_COLUMNS = {
+    "middleware": (False, "copy"),
+    "mw_graph": (True, "copy"),
+    "mw_share": (True, "share"),
+}
 
 
 def setup(net: str, batch: int) -> tuple:
@@ -101,14 +107,16 @@ def _geomean(xs: list[float]) -> float:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
-def speedups(ms: dict) -> tuple[float | None, float | None]:
+def speedups(ms: dict) -> tuple[float | None, float | None, float | None]:
     """(step by step vs the fastest PyTorch mode without CUDA graphs, CUDA-graph replay vs
-    the fastest PyTorch mode of all, reduce-overhead included)."""
+    the fastest PyTorch mode of all, reduce-overhead included, and the same for the replay
+    with the model's own weights, ``cuda_weights="share"``)."""
     plain = [ms[k] for k in TORCH_MODES if k in ms and k not in GRAPH_MODES]
     every = [ms[k] for k in TORCH_MODES if k in ms]
     a = min(plain) / ms["middleware"] if plain and "middleware" in ms else None
     b = min(every) / ms["mw_graph"] if every and "mw_graph" in ms else None
-    return a, b
+    c = min(every) / ms["mw_share"] if every and "mw_share" in ms else None
+    return a, b, c
 
 
 def write(rows: dict, out: Path | None) -> None:
@@ -118,10 +126,11 @@ def write(rows: dict, out: Path | None) -> None:
     out.write_text(json.dumps(rows, indent=1))
     lines = [
         "| network | " + " | ".join(COLUMNS) + " | middleware vs fastest w/o graphs | "
-        "mw_graph vs fastest of all | peak MiB (fastest torch, mw_graph) | max rel err |",
-        "|---|" + "---:|" * (len(COLUMNS) + 4),
+        "mw_graph vs fastest of all | mw_share vs fastest of all | "
+        "peak MiB (fastest torch, mw_graph, mw_share) | max rel err |",
+        "|---|" + "---:|" * (len(COLUMNS) + 5),
     ]
-    ratios: dict[int, list[float]] = {0: [], 1: []}
+    ratios: dict[int, list[float]] = {0: [], 1: [], 2: []}
     for net, r in rows.items():
         ms = r.get("ms", {})
         sp = speedups(ms)
@@ -132,7 +141,10 @@ def write(rows: dict, out: Path | None) -> None:
         mem = r.get("peak_mib", {})
         torch_ms = {k: ms[k] for k in TORCH_MODES if k in ms}
         fastest = min(torch_ms, key=torch_ms.get) if torch_ms else None
-        mem_cell = f"{mem.get(fastest, '-')} ({fastest}), {mem.get('mw_graph', '-')}"
+        mem_cell = (
+            f"{mem.get(fastest, '-')} ({fastest}), {mem.get('mw_graph', '-')}, "
+            f"{mem.get('mw_share', '-')}"
+        )
         sp_cells = [f"{v:.2f}x" if v is not None else "-" for v in sp]
         lines.append(
             f"| {net} | {' | '.join(cells)} | {' | '.join(sp_cells)} | {mem_cell} | "
@@ -140,7 +152,8 @@ def write(rows: dict, out: Path | None) -> None:
         )
     lines.append(
         f"| geomean | {' | '.join([''] * len(COLUMNS))} | {_geomean(ratios[0]):.2f}x "
-        f"({len(ratios[0])}) | {_geomean(ratios[1]):.2f}x ({len(ratios[1])}) | | |"
+        f"({len(ratios[0])}) | {_geomean(ratios[1]):.2f}x ({len(ratios[1])}) | "
+        f"{_geomean(ratios[2]):.2f}x ({len(ratios[2])}) | | |"
     )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
@@ -191,16 +204,17 @@ def main(argv: list[str] | None = None) -> int:
                 for k in ("eager", "eager_cl"):
                     row["peak_mib"][k], _ = peak_mib(lambda f=fns[k]: f, once)
                 ref = model(x)
-                for key, graphs in (("middleware", False), ("mw_graph", True)):
+                for key, (graphs, weights) in MW_COLUMNS.items():
                     try:
                         t0 = time.perf_counter()
                         row["peak_mib"][key], opt = peak_mib(
-                            lambda g=graphs, model=model, x=x: middleware.optimize(
+                            lambda g=graphs, w=weights, model=model, x=x: middleware.optimize(
                                 model,
                                 device="cuda",
                                 example_inputs=(x,),
                                 cache_dir=cache,
                                 cuda_graphs=g,
+                                cuda_weights=w,
                             ),
                             lambda o, x=x: o(x),
                         )
