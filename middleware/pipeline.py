@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from .backends import Backend, backend_for
+from .backends.interface import same_device
 from .frontends import trace
 from .graph import RELEASE_AS_BUILT, Graph, return_freed_memory
 from .hardware import Hardware, for_options
@@ -161,7 +162,7 @@ def _fallbacks_on(graph: Graph, device: torch.device) -> Graph:
             p = next(iter(mod.parameters()), None)
             if p is None:
                 p = next(iter(mod.buffers()), None)
-            if p is not None and p.device != device:
+            if p is not None and not same_device(p.device, device):
                 graph = graph.copy() if graph is not None else graph
                 graph.replace_node(n.name, n.replace(payload=copy.deepcopy(mod).to(device)))
     return graph

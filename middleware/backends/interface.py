@@ -75,6 +75,21 @@ def to_tensor(array: np.ndarray, device: torch.device, layout: str = "nchw") -> 
     return t
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device. ``torch.device("cuda")`` names the current
+    CUDA device, so it is the same device as ``torch.device("cuda", 0)`` while device 0 is
+    current, although ``==`` on the two says not (a plan is built for
+    ``torch.device(options.device)``; a model's tensors report ``cuda:0``)."""
+    if a.type != b.type:
+        return False
+    if a.index == b.index:
+        return True
+    if a.type != "cuda":
+        return (a.index or 0) == (b.index or 0)
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 def users_tensor(
     array: np.ndarray, source: Any, device: torch.device, layout: str = "nchw"
 ) -> torch.Tensor | None:
@@ -88,7 +103,7 @@ def users_tensor(
     src_array, tensor = source
     if (
         src_array is array
-        and tensor.device == device
+        and same_device(tensor.device, device)
         and tensor.dtype == torch.float32
         and tuple(tensor.shape) == array.shape
         and (
