@@ -86,18 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         # norm's folded scale and shift) from the plan's slot template
         env = list(plan._template)
         env[plan.input_slots[0]] = x
-        args = [env[i] for i in step.ins]
-        y = kernel(*args)
+        step_args = [env[i] for i in step.ins]
+        y = kernel(*step_args)
         launch = getattr(kernel, "launcher", None)
         parts = {
-            "step fn (alloc + launch)": lambda: kernel(*args),
+            "step fn (alloc + launch)": lambda: kernel(*step_args),
             "torch.empty_like(out)": lambda: torch.empty_like(y),
             "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(0).cuda_stream,
         }
         if hasattr(kernel, "out"):
-            parts["kernel.out (launch only)"] = lambda: kernel.out(*args, y)
+            parts["kernel.out (launch only)"] = lambda: kernel.out(*step_args, y)
         if launch is not None:
-            ptrs = [a.data_ptr() for a in args] + [y.data_ptr()]
+            ptrs = [a.data_ptr() for a in step_args] + [y.data_ptr()]
             parts["launcher.launch"] = lambda: launch.launch(kernel._grid, kernel._block, ptrs)
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
