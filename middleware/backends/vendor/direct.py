@@ -40,6 +40,7 @@ Kernel = Callable[..., Any]
 VB = 16  # the depthwise nest's channel block (one AVX-512 register)
 KB = 32  # the blocked nest's output channels per block (two registers)
 PB = 4  # the blocked nest's output pixels per block (8 accumulator registers)
+PD = 8  # the depthwise nest's output pixels per block (independent accumulator registers)
 # Multiply-adds below which a call runs on one thread (OpenMP's fork and join cost about
 # as much as 32K multiply-adds on the measured host).
 PARALLEL_WORK = 1 << 15
@@ -127,6 +128,7 @@ def render(graph: Graph, node: Node, threads: int) -> tuple[str, str]:
         geo,
         depthwise=depthwise,
         KP=_pad(geo["K"], VB),
+        PD=PD,
         KGP=_pad(geo["KG"], KB),
         KB=KB,
         PB=PB,
