@@ -14,7 +14,20 @@ import torch.nn.functional as F
 from . import loops
 from .enums import Bound
 from .graph import Graph, Node, TensorType
-from .loops import NotFusable, pair
+from .loops import (
+    DIMS,
+    Acc,
+    Const,
+    Expr,
+    Load,
+    NotFusable,
+    OpLoops,
+    ParamVec,
+    Window,
+    call,
+    pair,
+    window_out_size,
+)
 from .op_registry import (
     GradEmitter,
     Kernel,
@@ -187,6 +200,385 @@ register(
 )
 
 
+# ------------------------------------------------------------------ pooling backward
+# Training's generated backward kernels (``passes/autodiff.py``) differentiate pooling with
+# three ops that only backward rules emit (like ``narrow``), each with loop semantics:
+#
+# - ``pool_argmax(x, y)``: per output element of a max-pool ``y = max_pool2d(x)``, the tap
+#   (``k_h * kW + k_w``, as a float) PyTorch routes the gradient to: the first element of
+#   the window equal to the maximum in row-major order, or, where the window holds a NaN,
+#   the last NaN (ATen's ``val > max || isnan(val)``); a window of -inf only: its first
+#   element inside the input. A max reduction over an encoding of each tap: ``-t`` where
+#   the element equals ``y``, ``t + 1`` where it is NaN, -inf elsewhere.
+# - ``max_pool2d_backward(gy, a)``: the input gradient, a sum over the output windows that
+#   contain each input element (a window over ``gy`` transposed: scale-0 windows whose
+#   isl constraint says which outputs read the element) of ``gy`` where the window's
+#   chosen tap ``a`` is this element.
+# - ``avg_pool2d_backward(gy)``, ``adaptive_avg_pool2d_backward(gy)``: the same sum of
+#   ``gy`` divided by each window's divisor (ATen's rule: ``count_include_pad``,
+#   ``ceil_mode``, ``divisor_override``; adaptive windows divide by the window's height,
+#   then its width), from per-row and per-column tables of divisors.
+#
+# Their references are ATen's own calls (the argmax from ``max_pool2d``'s indices), so a
+# test of their loop semantics against the reference checks the rule against PyTorch.
+
+
+def _pool_geometry(
+    attrs: Mapping[str, Any],
+) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """(kernel, stride, padding, dilation) of a pooling node's attrs, each an (h, w) pair."""
+    k = pair(attrs["kernel_size"])
+    s = pair(attrs["stride"] or attrs["kernel_size"])
+    return k, s, pair(attrs["padding"]), pair(attrs.get("dilation", 1))
+
+
+def _pool_attrs(node: Node, keys: Sequence[str]) -> dict[str, Any]:
+    return {key: node.attrs[key] for key in keys if key in node.attrs}
+
+
+_MAX_KEYS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+_AVG_KEYS = (
+    "kernel_size",
+    "stride",
+    "padding",
+    "ceil_mode",
+    "count_include_pad",
+    "divisor_override",
+)
+
+
+def _pool_argmax(node: Node) -> Kernel:
+    k, s, p, d = _pool_geometry(node.attrs)
+    c = bool(node.attrs["ceil_mode"])
+
+    def pool_argmax(x, y):
+        if x.is_meta:
+            return torch.empty(y.shape, dtype=torch.float32, device="meta")
+        _, idx = F.max_pool2d(x, k, s, p, d, ceil_mode=c, return_indices=True)
+        oh = torch.arange(idx.shape[2]).view(-1, 1)
+        ow = torch.arange(idx.shape[3]).view(1, -1)
+        tap_h = (idx // x.shape[3] - (oh * s[0] - p[0])) // d[0]
+        tap_w = (idx % x.shape[3] - (ow * s[1] - p[1])) // d[1]
+        return (tap_h * k[1] + tap_w).to(torch.float32)
+
+    return pool_argmax
+
+
+def _windows_over(x4: Sequence[int], y4: Sequence[int], attrs: Mapping[str, Any]) -> list[Window]:
+    """The forward windows of a pooling node from input ``x4`` to output ``y4`` (logical
+    shapes), checked against the framework's output size rule."""
+    k, s, p, d = _pool_geometry(attrs)
+    wins = []
+    for i, dim in enumerate((2, 3)):
+        expect = window_out_size(x4[dim], k[i], s[i], p[i], d[i], bool(attrs["ceil_mode"]))
+        if expect != y4[dim]:
+            raise NotFusable(f"pool output size {y4[dim]} != rule {expect}")
+        wins.append(Window(dim, s[i], d[i], -p[i], f"0 <= k < {k[i]}", taps=k[i]))
+    return wins
+
+
+def _load_through(value: str, windows: Sequence[Window]) -> Load:
+    idx = list(DIMS)
+    for win in windows:
+        idx[win.dim] = win.input_index()
+    return Load(value, tuple(idx))  # type: ignore[arg-type]
+
+
+def _eq(a: Expr, b: Expr) -> Expr:
+    """1 where ``a == b`` (0 where either is NaN)."""
+    return call("and", call("ge", a, b), call("le", a, b))
+
+
+def _pool_argmax_loops(graph: Graph, node: Node) -> OpLoops:
+    x, y = node.inputs
+    x4, y4 = loops.logical4(graph.values[x]), loops.logical4(graph.values[y])
+    if graph.values[x].rank != 4:
+        raise NotFusable("pool_argmax of a value that is not 4-d")
+    wins = _windows_over(x4, y4, node.attrs)
+    kh, kw = wins[0].taps, wins[1].taps
+    xt = _load_through(x, wins)
+    tap = ParamVec(f"{node.name}_tap", tuple(float(t) for t in range(kh * kw)), f"k_h*{kw} + k_w")
+    body = call(
+        "select",
+        call("ge", xt, xt),  # not NaN
+        call("select", _eq(xt, Load(y, DIMS)), call("neg", tap), Const(-float("inf"))),
+        call("add", tap, Const(1.0)),
+    )
+    expr = call(
+        "select", call("gt", Acc(), Const(0.0)), call("sub", Acc(), Const(1.0)), call("neg", Acc())
+    )
+    return OpLoops("reduce", expr, body=body, reduce="max", init=-float("inf"), windows=tuple(wins))
+
+
+def _transposed(
+    gy4: Sequence[int], x4: Sequence[int], attrs: Mapping[str, Any], node: str
+) -> tuple[list[Window], ParamVec]:
+    """The windows of a pooling's backward and its tap table. For input element ``o``
+    along a dim the window runs over the outputs ``k`` with ``r = o + p - s*k`` (the
+    element's offset in output ``k``'s window) in ``[-(s - 1), d*(K - 1) + tail]``: a
+    superset of the windows covering ``o`` that is never empty. The schedule's loop
+    bounds are those of a window that holds at least one element for every output point
+    (as every forward window does): the exact set ``[0, d*(K - 1)]`` is empty where the
+    stride is longer than the window, and ``tail`` reaches the last output from the input
+    rows below the last window (``ceil_mode`` off). The table, at ``(r_h + s_h - 1) * L_w
+    + r_w + s_w - 1``, says which tap of output ``k``'s window element ``o`` is (``t_h *
+    K_w + t_w``), or -1 where it is none (outside the window, between two dilated
+    taps)."""
+    k, s, p, d = _pool_geometry(attrs)
+    wins, lengths = [], []
+    for i, dim in enumerate((2, 3)):
+        span = d[i] * (k[i] - 1)
+        if window_out_size(x4[dim], k[i], s[i], p[i], d[i], bool(attrs["ceil_mode"])) != gy4[dim]:
+            raise NotFusable("pool gradient's size does not match the input's")
+        tail = max(0, x4[dim] - 1 + p[i] - s[i] * (gy4[dim] - 1) - span)
+        cons = f"{s[i]}*k <= o + {p[i] + s[i] - 1} and o + {p[i]} <= {s[i]}*k + {span + tail}"
+        wins.append(Window(dim, 0, 1, 0, cons))
+        lengths.append(span + tail + s[i])
+
+    def tap(r: int, i: int) -> int:
+        r -= s[i] - 1
+        return r // d[i] if 0 <= r <= d[i] * (k[i] - 1) and r % d[i] == 0 else -1
+
+    table = []
+    for rh in range(lengths[0]):
+        for rw in range(lengths[1]):
+            th, tw = tap(rh, 0), tap(rw, 1)
+            table.append(float(th * k[1] + tw) if th >= 0 and tw >= 0 else -1.0)
+    at = f"(h + {p[0] + s[0] - 1} - {s[0]}*k_h)*{lengths[1]} + w + {p[1] + s[1] - 1} - {s[1]}*k_w"
+    return wins, ParamVec(f"{node}_tap", tuple(table), at)
+
+
+def _max_pool2d_backward(node: Node) -> Kernel:
+    k, s, p, d = _pool_geometry(node.attrs)
+    c = bool(node.attrs["ceil_mode"])
+    h, w = node.attrs["input_size"]
+
+    def max_pool2d_backward(gy, a):
+        n, ch = gy.shape[:2]
+        x = torch.empty((n, ch, h, w), dtype=gy.dtype, device=gy.device, memory_format=_fmt(gy))
+        if gy.is_meta:
+            return x
+        t = a.to(torch.int64)
+        oh = torch.arange(gy.shape[2]).view(-1, 1)
+        ow = torch.arange(gy.shape[3]).view(1, -1)
+        ih = oh * s[0] - p[0] + (t // k[1]) * d[0]
+        iw = ow * s[1] - p[1] + (t % k[1]) * d[1]
+        idx = ih * w + iw
+        return torch.ops.aten.max_pool2d_with_indices_backward(gy, x, k, s, p, d, c, idx)
+
+    return max_pool2d_backward
+
+
+def _max_pool2d_backward_loops(graph: Graph, node: Node) -> OpLoops:
+    gy, a = node.inputs
+    gy4, x4 = loops.logical4(graph.values[gy]), loops.logical4(graph.values[node.outputs[0]])
+    wins, tap = _transposed(gy4, x4, node.attrs, node.name)
+    body = call("select", _eq(_load_through(a, wins), tap), _load_through(gy, wins), Const(0.0))
+    return OpLoops("reduce", Acc(), body=body, reduce="sum", init=0.0, windows=tuple(wins))
+
+
+def _fmt(t: torch.Tensor) -> torch.memory_format:
+    """The memory format of a gradient's input: ``t``'s (channels_last where it is so and
+    not also contiguous)."""
+    if not t.is_meta and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.contiguous_format if t.is_contiguous() else torch.channels_last
+    return torch.contiguous_format
+
+
+def _avg_divisors(attrs: Mapping[str, Any], size: int, out: int, i: int) -> list[int]:
+    """ATen's divisor factor along one dim per output position (the product of both dims'
+    is the window's divisor): the window's length inside the padded input, or inside the
+    input without ``count_include_pad``."""
+    k, s, p, _ = _pool_geometry(attrs)
+    got = []
+    for o in range(out):
+        lo = o * s[i] - p[i]
+        hi = min(lo + k[i], size + p[i])
+        got.append(hi - lo if attrs["count_include_pad"] else min(hi, size) - max(lo, 0))
+    return got
+
+
+def _avg_pool2d_backward(node: Node) -> Kernel:
+    a = node.attrs
+    k, s, p, _ = _pool_geometry(a)
+    h, w = a["input_size"]
+    args = (k, s, p, bool(a["ceil_mode"]), bool(a["count_include_pad"]), a["divisor_override"])
+
+    def avg_pool2d_backward(gy):
+        shape = (*gy.shape[:2], h, w)
+        x = torch.empty(shape, dtype=gy.dtype, device=gy.device, memory_format=_fmt(gy))
+        if gy.is_meta:
+            return x
+        return torch.ops.aten.avg_pool2d_backward(gy, x, *args)
+
+    return avg_pool2d_backward
+
+
+def _avg_pool2d_backward_loops(graph: Graph, node: Node) -> OpLoops:
+    (gy,) = node.inputs
+    gy4, x4 = loops.logical4(graph.values[gy]), loops.logical4(graph.values[node.outputs[0]])
+    attrs = {**node.attrs, "dilation": 1}
+    wins, tap = _transposed(gy4, x4, attrs, node.name)
+    g: Expr = _load_through(gy, wins)
+    div = node.attrs.get("divisor_override")
+    if div:
+        share: Expr = call("div", g, Const(float(div)))
+    else:
+        dh, dw = (
+            ParamVec(
+                f"{node.name}_div{DIMS[dim]}",
+                tuple(float(v) for v in _avg_divisors(attrs, x4[dim], gy4[dim], i)),
+                f"k_{DIMS[dim]}",
+            )
+            for i, dim in enumerate((2, 3))
+        )
+        share = call("div", g, call("mul", dh, dw))  # ATen: gy / divide_factor
+    body = call("select", call("ge", tap, Const(0.0)), share, Const(0.0))
+    return OpLoops("reduce", Acc(), body=body, reduce="sum", windows=tuple(wins))
+
+
+def _adaptive_bounds(size: int, out: int) -> list[tuple[int, int]]:
+    """ATen's adaptive window of each output position: [floor(o*I/O), ceil((o+1)*I/O))."""
+    return [((o * size) // out, -(-((o + 1) * size) // out)) for o in range(out)]
+
+
+def _adaptive_avg_pool2d_backward(node: Node) -> Kernel:
+    h, w = node.attrs["input_size"]
+
+    def adaptive_avg_pool2d_backward(gy):
+        shape = (*gy.shape[:2], h, w)
+        x = torch.empty(shape, dtype=gy.dtype, device=gy.device, memory_format=_fmt(gy))
+        if gy.is_meta:
+            return x
+        return torch.ops.aten._adaptive_avg_pool2d_backward(gy, x)
+
+    return adaptive_avg_pool2d_backward
+
+
+def _adaptive_avg_pool2d_backward_loops(graph: Graph, node: Node) -> OpLoops:
+    (gy,) = node.inputs
+    gy4, x4 = loops.logical4(graph.values[gy]), loops.logical4(graph.values[node.outputs[0]])
+    wins, divs = [], []
+    for dim in (2, 3):
+        size, out = x4[dim], gy4[dim]
+        # input element o lies in output k's window: k*I < O*(o + 1) and O*o < (k + 1)*I
+        cons = f"{size}*k < {out}*o + {out} and {out}*o < {size}*k + {size}"
+        wins.append(Window(dim, 0, 1, 0, cons))
+        lengths = tuple(float(hi - lo) for lo, hi in _adaptive_bounds(size, out))
+        divs.append(ParamVec(f"{node.name}_div{DIMS[dim]}", lengths, f"k_{DIMS[dim]}"))
+    # ATen: gy / kh / kw
+    body = call("div", call("div", _load_through(gy, wins), divs[0]), divs[1])
+    return OpLoops("reduce", Acc(), body=body, reduce="sum", windows=tuple(wins))
+
+
+def _exact(e: GradEmitter, node: Node, gy: str) -> None:
+    """Refuses an output gradient in broadcast form, a value that is not 4-d, and a
+    window with no element inside the input (a dilated window over padding only: ATen's
+    index then points past the input)."""
+    if e.type_of(gy).shape != e.type_of(node.outputs[0]).shape:
+        raise NotFusable(f"{node.op}'s output gradient reaches it in broadcast form")
+    xt, yt = e.type_of(node.inputs[0]), e.type_of(node.outputs[0])
+    if xt.rank != 4 or yt.rank != 4:
+        raise NotFusable(f"{node.op} of a value that is not 4-d")
+    if "kernel_size" not in node.attrs:
+        return
+    k, s, p, d = _pool_geometry(node.attrs)
+    for i, dim in enumerate((2, 3)):
+        for o in range(yt.shape[dim]):
+            if not any(0 <= o * s[i] - p[i] + t * d[i] < xt.shape[dim] for t in range(k[i])):
+                raise NotFusable(f"a window of {node.op} holds no element of its input")
+
+
+def _max_pool_grad(e: GradEmitter, node: Node, gy: str) -> tuple[str | None, ...]:
+    """max_pool2d's gradient: ``gy`` routed to the tap PyTorch's forward picks, recomputed
+    (``pool_argmax``) from the input and the recomputed output."""
+    _exact(e, node, gy)
+    (x,) = node.inputs
+    attrs = _pool_attrs(node, _MAX_KEYS)
+    a = e.emit("pool_argmax", (x, node.outputs[0]), attrs)
+    size = tuple(e.type_of(x).shape[2:])
+    return (e.emit("max_pool2d_backward", (gy, a), {**attrs, "input_size": size}),)
+
+
+# The activations merged into a max-pool whose backward does not depend on which of the
+# two came first (merge_pool_relu does not record it): where their outputs tie and their
+# inputs do not (relu's 0 below 0, hardtanh's bounds), their derivative is 0 at both
+# taps, so routing through the pooled input's maximum gives the same gradient as through
+# the activated values' maximum. A strictly increasing activation whose float outputs can
+# tie (leaky_relu's slope * x, elu's saturation) would route to another element.
+_ORDER_FREE = {"relu", "hardtanh"}
+
+
+def _maxpool_act_grad(e: GradEmitter, node: Node, gy: str) -> tuple[str | None, ...]:
+    """maxpool_relu's gradient: the activation's derivative at the pooled maximum, then
+    max_pool2d's routing."""
+    _exact(e, node, gy)
+    act = node.attrs["activation"]
+    if act not in _ORDER_FREE:
+        raise NotFusable(
+            f"max-pool merged with {act}: which came first is not recorded, and {act}'s "
+            "ties would route the gradient differently"
+        )
+    (x,) = node.inputs
+    attrs = _pool_attrs(node, _MAX_KEYS)
+    m = e.emit("max_pool2d", (x,), attrs)
+    gm = e.emit(
+        "pointwise_grad", (m, gy), {"of": act, "of_attrs": tuple(node.attrs["activation_attrs"])}
+    )
+    a = e.emit("pool_argmax", (x, m), attrs)
+    size = tuple(e.type_of(x).shape[2:])
+    return (e.emit("max_pool2d_backward", (gm, a), {**attrs, "input_size": size}),)
+
+
+def _avg_pool_grad(e: GradEmitter, node: Node, gy: str) -> tuple[str | None, ...]:
+    """avg_pool2d's gradient: each window's ``gy`` over its divisor, summed per input."""
+    _exact(e, node, gy)
+    (x,) = node.inputs
+    attrs = {**_pool_attrs(node, _AVG_KEYS), "input_size": tuple(e.type_of(x).shape[2:])}
+    return (e.emit("avg_pool2d_backward", (gy,), attrs),)
+
+
+# (not layout-preserving for the layout pass, which never meets them: they are made in
+# backward graphs; their references write their first input's memory order)
+register(
+    OpDef(
+        "pool_argmax",
+        Bound.IO,
+        _pool_argmax,
+        flops_fn=pool_flops,
+        loops=_pool_argmax_loops,
+        per_sample=True,
+    )
+)
+register(
+    OpDef(
+        "max_pool2d_backward",
+        Bound.IO,
+        _max_pool2d_backward,
+        loops=_max_pool2d_backward_loops,
+        per_sample=True,
+    )
+)
+register(
+    OpDef(
+        "avg_pool2d_backward",
+        Bound.IO,
+        _avg_pool2d_backward,
+        loops=_avg_pool2d_backward_loops,
+        per_sample=True,
+    )
+)
+register(
+    OpDef(
+        "adaptive_avg_pool2d_backward",
+        Bound.IO,
+        _adaptive_avg_pool2d_backward,
+        loops=_adaptive_avg_pool2d_backward_loops,
+        per_sample=True,
+    )
+)
+
+
 def _max_pool2d(node: Node) -> Kernel:
     k, s, p, d, c = (
         node.attrs["kernel_size"],
@@ -257,6 +649,7 @@ register(
         layout_preserving=True,
         out=OutVariant(_max_pool2d_out),
         temp_bytes_per_elem=INDEX_BYTES,
+        grad=_max_pool_grad,
     )
 )
 
@@ -304,6 +697,7 @@ register(
         per_sample=True,
         layout_preserving=True,
         out=OutVariant(_avg_pool2d_out),
+        grad=_avg_pool_grad,
     )
 )
 
@@ -339,11 +733,15 @@ def _spatial_mean_grad(e: GradEmitter, node: Node, gy: str) -> tuple[str | None,
     """The gradient of a mean over both spatial dims of a 4-d value (``mean`` over (2, 3),
     ``adaptive_avg_pool2d`` to 1x1): ``gy / (H * W)`` at the output's (N, C, 1, 1) shape,
     the input's gradient in broadcast form (``passes/autodiff.py``: the same at every
-    pixel). PyTorch's ``mean`` backward: ``grad.expand(sizes) / numel``. Any other mean or
-    pooling has no rule (its group's backward recomputes through PyTorch)."""
+    pixel). PyTorch's ``mean`` backward: ``grad.expand(sizes) / numel``. An adaptive pool
+    to a larger map: ``adaptive_avg_pool2d_backward``. Any other mean has no rule (its
+    group's backward recomputes through PyTorch)."""
     x, y = node.inputs[0], node.outputs[0]
     xt, yt = e.type_of(x), e.type_of(y)
     n, c, h, w = xt.shape if xt.rank == 4 else (0, 0, 0, 0)
+    if node.op == "adaptive_avg_pool2d" and xt.rank == 4 and yt.shape[2:] != (1, 1):
+        _exact(e, node, gy)  # windows of several outputs: each input's share of its windows
+        return (e.emit("adaptive_avg_pool2d_backward", (gy,), {"input_size": (h, w)}),)
     spatial = xt.rank == 4 and (
         (node.op == "mean" and {int(d) % 4 for d in node.attrs["dims"]} == {2, 3})
         or (node.op == "adaptive_avg_pool2d" and yt.shape == (n, c, 1, 1))
@@ -408,6 +806,7 @@ register(
         layout_preserving=True,
         out=OutVariant(_max_pool2d_out),
         temp_bytes_per_elem=INDEX_BYTES,
+        grad=_maxpool_act_grad,
     )
 )
 

@@ -461,9 +461,9 @@ def test_concat_gradients_through_generated_backward(layout: str) -> None:
 
 
 class PoolAfterRelu(nn.Module):
-    """ReLU then max-pooling in one group: max-pooling has no backward rule (its routing
-    through the recomputed argmax is not generated), so the group's backward recomputes
-    through PyTorch."""
+    """ReLU then adaptive max-pooling in one group: adaptive max-pooling has no backward
+    rule, so the group's backward recomputes through PyTorch (max-pooling's rule:
+    tests/test_backward_pooling.py)."""
 
     def __init__(self, c: int = 4) -> None:
         super().__init__()
@@ -471,7 +471,7 @@ class PoolAfterRelu(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)
-        return self.conv(F.max_pool2d(F.relu(y) * y, 2))
+        return self.conv(F.adaptive_max_pool2d(F.relu(y) * y, 3))
 
 
 def test_a_group_without_backward_rules_keeps_the_pytorch_backward() -> None:
@@ -480,4 +480,4 @@ def test_a_group_without_backward_rules_keeps_the_pytorch_backward() -> None:
     rows = _backward_rows(optimized)
     assert rows, optimized.report().verbose()
     for r in rows.values():
-        assert "PyTorch recompute" in r and "max_pool2d has no backward rule" in r, rows
+        assert "PyTorch recompute" in r and "adaptive_max_pool2d has no backward rule" in r, rows
