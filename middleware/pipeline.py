@@ -43,7 +43,9 @@ def compile_graph(
     device = torch.device(options.device)
     backend = backend_for(device)
     hardware = for_options(options)
-    off = backend.passes_off(options)
+    # a backend registered before passes_off joined the interface turns nothing off
+    passes_off = getattr(backend, "passes_off", None)
+    off = passes_off(options) if passes_off is not None else ()
     pass_options = (
         dataclasses.replace(
             options, disable_passes=tuple(dict.fromkeys((*options.disable_passes, *off)))

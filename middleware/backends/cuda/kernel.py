@@ -68,7 +68,7 @@ class GeneratedKernel:
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         single = self._single
-        if single is not None and len(inputs) == self._n_in:
+        if single is not None and inputs and len(inputs) == self._n_in:
             # the common case (one output, inputs already laid out as the kernel reads
             # them): the fewest Python operations between the call and the launch, since a
             # step-by-step plan on a GPU is bound by this host time on small kernels
