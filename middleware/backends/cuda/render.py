@@ -53,9 +53,9 @@ VECTOR = 4
 # (windows, concats, reshapes): ``ILP`` elements a grid stride apart, so that a warp's
 # accesses stay as coalesced as with one, while each thread has the loads of ``ILP``
 # independent elements in flight. Measured on an H100 (bench/gpu_diag.py, 2026-11-27): the
-# BN -> ReLU -> 3x3/2 max-pool kernel and its parts moved 73-78% of the copy bandwidth with
-# one element per iteration and 68-75% with two, in both layouts: one it is (two stays
-# selectable for the variants run).
+# BN -> ReLU -> 3x3/2 max-pool kernel and its parts with the pool moved 73-78% of the copy
+# bandwidth with one element per iteration and 68-75% with two, in both layouts (BN -> ReLU
+# alone: 84-86% either way): one it is (two stays selectable for the variants run).
 ILP = 1
 
 
