@@ -1,7 +1,8 @@
 """The framework-neutral graph: values with types, nodes holding one op each, named constants.
 
-A :class:`Graph` wraps a ``networkx.DiGraph`` whose vertices are node names and whose
-edges run from a producer node to each consumer node. Each vertex holds one frozen
+A :class:`Graph` is a directed acyclic graph whose vertices are node names and whose
+edges run from a producer node to each consumer node (kept in plain dicts: networkx, 10 MiB
+of a process's memory once imported, is loaded only where ``Graph.nx`` is asked for). Each vertex holds one frozen
 :class:`Node` record. Values (graph inputs, parameters and node outputs) are named by
 strings and typed by :class:`TensorType`. Parameters are numpy arrays: no framework object
 lives in a graph except the opaque callable of a fallback node.
@@ -16,7 +17,6 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import networkx as nx
 import numpy as np
 
 from .enums import Bound
@@ -118,7 +118,8 @@ class Graph:
     """
 
     def __init__(self) -> None:
-        self._g = nx.DiGraph()
+        self._nodes: dict[str, Node] = {}
+        self._succ: dict[str, dict[str, None]] = {}  # consumers of a node, insertion-ordered
         self._order: list[str] = []
         self.values: dict[str, TensorType] = {}
         self.params: dict[str, np.ndarray] = {}
@@ -142,7 +143,7 @@ class Graph:
         return name
 
     def add_node(self, node: Node, out_types: Sequence[TensorType]) -> Node:
-        if node.name in self._g:
+        if node.name in self._nodes:
             raise ValueError(f"duplicate node name {node.name!r}")
         if len(out_types) != len(node.outputs):
             raise ValueError(
@@ -155,12 +156,13 @@ class Graph:
             self._check_new_value(v)
             self.values[v] = t
             self._producer[v] = node.name
-        self._g.add_node(node.name, node=node)
+        self._nodes[node.name] = node
+        self._succ[node.name] = {}
         self._order.append(node.name)
         for v in node.inputs:
             p = self._producer.get(v)
             if p is not None:
-                self._g.add_edge(p, node.name)
+                self._succ[p][node.name] = None
         return node
 
     def set_outputs(self, tree: Any) -> None:
@@ -175,25 +177,39 @@ class Graph:
 
     def fresh_name(self, base: str) -> str:
         """A value or node name not used yet, derived from ``base``."""
-        if base not in self.values and base not in self._g:
+        if base not in self.values and base not in self._nodes:
             return base
         i = 1
-        while f"{base}_{i}" in self.values or f"{base}_{i}" in self._g:
+        while f"{base}_{i}" in self.values or f"{base}_{i}" in self._nodes:
             i += 1
         return f"{base}_{i}"
 
     # ------------------------------------------------------------------ queries
     @property
-    def nx(self) -> nx.DiGraph:
-        """The underlying networkx graph (vertices: node names; read-only use)."""
-        return self._g
+    def nx(self) -> Any:
+        """The graph as a new ``networkx.DiGraph`` (vertices: node names, each with its
+        ``node`` record; edges producer -> consumer), for networkx's algorithms."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        for name in self._order:
+            g.add_node(name, node=self._nodes[name])
+        for p, consumers in self._succ.items():
+            for c in consumers:
+                g.add_edge(p, c)
+        return g
+
+    def successors(self, name: str) -> list[str]:
+        """The names of the nodes that read an output of node ``name``."""
+        return list(self._succ[name])
 
     def nodes(self) -> Iterator[Node]:
+        nodes = self._nodes
         for name in self._order:
-            yield self._g.nodes[name]["node"]
+            yield nodes[name]
 
     def node(self, name: str) -> Node:
-        return self._g.nodes[name]["node"]
+        return self._nodes[name]
 
     def __len__(self) -> int:
         return len(self._order)
@@ -208,7 +224,7 @@ class Graph:
             return [n for n in self.nodes() if value in n.inputs]
         return [
             self.node(s)
-            for s in self._order_of(self._g.successors(p))
+            for s in self._order_of(iter(self._succ[p]))
             if value in self.node(s).inputs
         ]
 
@@ -281,7 +297,8 @@ class Graph:
     def copy(self) -> Graph:
         """A new graph with the same records (records are frozen; arrays are shared, never written)."""
         g = Graph()
-        g._g = self._g.copy()
+        g._nodes = dict(self._nodes)
+        g._succ = {k: dict(v) for k, v in self._succ.items()}
         g._order = list(self._order)
         g.values = dict(self.values)
         g.params = dict(self.params)
@@ -298,7 +315,7 @@ class Graph:
             raise ValueError(
                 "replace_node keeps names, inputs and outputs; rebuild the graph instead"
             )
-        self._g.nodes[name]["node"] = node
+        self._nodes[name] = node
 
     def rebuild(
         self, nodes: Sequence[tuple[Node, Sequence[TensorType]]], keep_values: bool = True
