@@ -156,3 +156,24 @@ def test_generated_kernel_without_inputs():
     y = kernel()
     assert y.shape == (2, 3) and y.device == CPU
     assert launched == [(1, 1, [y.data_ptr()])]
+
+
+def test_gpu_memory_cuts_networks_not_modes():
+    """bench/gpu_memory.py started every child of one mode before the next mode's: with
+    the budget spent, the last mode (``mw_share``, the one the run was for) had no row."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_memory.py"
+    spec = importlib.util.spec_from_file_location("gpu_memory_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    work = mod.order_work(["a", "b"], ["compile_ro", "mw_graph", "mw_share"])
+    assert work == [
+        ("a", "compile_ro"),
+        ("b", "compile_ro"),
+        ("a", "mw_graph"),
+        ("a", "mw_share"),
+        ("b", "mw_graph"),
+        ("b", "mw_share"),
+    ]
