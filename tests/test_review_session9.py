@@ -177,3 +177,39 @@ def test_gpu_memory_cuts_networks_not_modes():
         ("b", "mw_graph"),
         ("b", "mw_share"),
     ]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.tensor(3.0),
+        lambda: torch.empty(0, 3, 4, 4),
+        lambda: torch.empty(2, 0, 4, 4).contiguous(memory_format=torch.channels_last),
+        lambda: torch.randn(1, 3, 1, 1).contiguous(memory_format=torch.channels_last),
+        lambda: torch.randn(2, 3, 4, 5)[:, :, :, 1:],
+        lambda: torch.randn(3, 1).expand(3, 4),
+    ],
+)
+def test_dense_signature_edge_tensors(make):
+    """0-dim, empty, size-1 and view inputs: ``dense_signature`` equals ``dense`` followed
+    by the signature it replaced."""
+    from middleware.runtime.inputs import channels_last, dense, dense_signature
+
+    inputs = (make(), torch.randn(2, 2))
+    want = dense(inputs)
+    got, sig = dense_signature(inputs)
+    assert sig == tuple((tuple(x.shape), x.dtype, x.device, channels_last(x)) for x in want)
+    for g, w in zip(got, want, strict=True):
+        assert g.stride() == w.stride() and g.shape == w.shape
+
+
+@pytest.mark.parametrize("bad", [3, None, [1.0], "x"])
+def test_non_tensor_input_still_gets_the_clear_error(bad, tmp_path):
+    import torch.nn as nn
+
+    import middleware
+    from middleware.errors import InputTypeError
+
+    opt = middleware.optimize(nn.ReLU(), cache_dir=tmp_path)
+    with pytest.raises(InputTypeError, match="input 1 is a .*the optimized model takes tensors"):
+        opt(torch.randn(2, 3), bad)
