@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -95,6 +96,11 @@ def make_options(
     checked (``TypeError`` for an unknown name, ``OptionsError`` for a bad value,
     ``DeviceError`` for a device this machine lacks)."""
     options = dict(options or {})
+    if "max_extra_bytes" in options:  # the option's first name (session 8)
+        if "max_extra_param_bytes" in options:
+            raise TypeError("give max_extra_param_bytes only (max_extra_bytes is its old name)")
+        warnings.warn("max_extra_bytes is now max_extra_param_bytes", FutureWarning, stacklevel=3)
+        options["max_extra_param_bytes"] = options.pop("max_extra_bytes")
     fields = {f.name for f in dataclasses.fields(Options)}
     unknown = sorted(set(options) - fields)
     if unknown:
@@ -130,9 +136,11 @@ def _check_option_values(opts: dict[str, object]) -> None:
             f"unknown pass(es) {unknown} in disable_passes; passes are: {', '.join(known)}"
         )
     check_selection(selection_pairs(opts.get("algorithms")))
-    cap = opts.get("max_extra_bytes")
+    cap = opts.get("max_extra_param_bytes")
     if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0):
-        raise OptionsError(f"max_extra_bytes={cap!r}: use None (no cap) or a number of bytes >= 0")
+        raise OptionsError(
+            f"max_extra_param_bytes={cap!r}: use None (no cap) or a number of bytes >= 0"
+        )
     layout = opts.get("layout", "auto")
     if layout not in LAYOUTS:
         raise OptionsError(f"layout={layout!r} is not one of {', '.join(map(repr, LAYOUTS))}")

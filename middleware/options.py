@@ -85,7 +85,7 @@ class Options:
     # Cap on one layer's extra bytes for its algorithm (transformed weights + workspace
     # beyond the vendor call's: Algorithm.extra_bytes): an algorithm above it is not used
     # for that layer (named, autotuned or by the default's rule); None: no cap.
-    max_extra_bytes: int | None = None
+    max_extra_param_bytes: int | None = None
     # Seconds of candidate timing one optimize() compile may spend autotuning
     # (algorithms="autotune"); once spent, the remaining layers take a stored decision where
     # one exists, else the default, and report() says so. None: no cap.

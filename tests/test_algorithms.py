@@ -311,19 +311,19 @@ def test_options_keep_the_selection_hashable_and_sorted():
 
 
 def test_the_memory_cap_keeps_algorithms_out(monkeypatch, tmp_path, net_cache):
-    opt, y, ref = _run(net_cache, algorithms={"conv2d": "im2col_gemm"}, max_extra_bytes=0)
+    opt, y, ref = _run(net_cache, algorithms={"conv2d": "im2col_gemm"}, max_extra_param_bytes=0)
     _close(y, ref)
     rows = _conv_rows(opt)
     assert [r.algorithm for r in rows] == ["vendor"] * 4
-    assert all("over max_extra_bytes" in r.reason for r in rows)
+    assert all("over max_extra_param_bytes" in r.reason for r in rows)
     monkeypatch.setattr(wg, "MIN_PIXELS", 1)  # the default's rule would pick Winograd
     g, node = conv_graph((1, 64, 8, 8), (64, 64, 3, 3), "nhwc", padding=1)
     free = alg.choose(g, node, CPU, Options(cache_dir=tmp_path), hardware())
     assert free is not None and free.algorithm == "winograd_f4x4"
-    capped = Options(cache_dir=tmp_path, max_extra_bytes=36 * 4 * 64 * 64 - 1)
+    capped = Options(cache_dir=tmp_path, max_extra_param_bytes=36 * 4 * 64 * 64 - 1)
     assert alg.choose(g, node, CPU, capped, hardware()).algorithm == "vendor"
-    with pytest.raises(OptionsError, match="max_extra_bytes=-1"):
-        middleware.optimize(_net(), cache_dir=tmp_path, max_extra_bytes=-1)
+    with pytest.raises(OptionsError, match="max_extra_param_bytes=-1"):
+        middleware.optimize(_net(), cache_dir=tmp_path, max_extra_param_bytes=-1)
 
 
 # ------------------------------------------------------------------ winograd_f2x2
@@ -515,3 +515,13 @@ def test_c_algorithm_errors_name_the_problem(tmp_path):
             )
     finally:
         middleware.unregister_algorithm("conv2d", "bad_c")
+
+
+def test_max_extra_bytes_is_the_old_name_of_max_extra_param_bytes():
+    from middleware.api import make_options
+
+    with pytest.warns(FutureWarning, match="max_extra_param_bytes"):
+        o = make_options("cpu", None, {"max_extra_bytes": 1024})
+    assert o.max_extra_param_bytes == 1024
+    with pytest.raises(TypeError, match="max_extra_param_bytes only"):
+        make_options("cpu", None, {"max_extra_bytes": 1, "max_extra_param_bytes": 2})

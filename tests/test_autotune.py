@@ -254,7 +254,7 @@ def test_autotune_respects_the_memory_cap(monkeypatch, tmp_path):
     x = torch.randn(2, 3, 12, 10)
     opt = middleware.optimize(
         m, example_inputs=[x], cache_dir=tmp_path, measure_hardware=False,
-        algorithms={"conv2d": "autotune"}, max_extra_bytes=0,
+        algorithms={"conv2d": "autotune"}, max_extra_param_bytes=0,
     )  # fmt: skip
     with torch.inference_mode():
         _close(opt(x), m(x))
@@ -325,7 +325,7 @@ def test_auto_is_a_known_name_and_not_registrable():
 
 def test_auto_falls_back_to_the_default_rule_within_the_memory_cap(monkeypatch, tmp_path):
     """No decision stored: the default's measured rule decides (Winograd F(4x4) on a 64->64
-    layer once its pixel threshold is met), and max_extra_bytes keeps it out as it does for
+    layer once its pixel threshold is met), and max_extra_param_bytes keeps it out as it does for
     the default."""
     from fusion_helpers import conv_graph, hardware
 
@@ -343,7 +343,7 @@ def test_auto_falls_back_to_the_default_rule_within_the_memory_cap(monkeypatch, 
         "auto: no stored tuning decision for this problem size; "
         "the default rule: winograd F(4x4,3x3)"
     )
-    capped = Options(cache_dir=tmp_path, algorithms={"conv2d": "auto"}, max_extra_bytes=0)
+    capped = Options(cache_dir=tmp_path, algorithms={"conv2d": "auto"}, max_extra_param_bytes=0)
     choice = alg.choose(g, node, cpu, capped, hardware())
     assert choice.algorithm == "vendor" and choice.reason.endswith("the default rule: vendor")
 

@@ -35,7 +35,7 @@ where one exists, :func:`_stored_choice`; "autotune" measures every usable one, 
 "auto" takes the stored tuning decision for the layer's problem size where one exists,
 else the default, :func:`auto_choice`); a
 named algorithm that does not apply, or whose extra bytes exceed
-``Options.max_extra_bytes``, falls back to the default with the reason.
+``Options.max_extra_param_bytes``, falls back to the default with the reason.
 :func:`register_algorithm` adds a user's algorithm (a Python callable with
 ``F.conv2d``'s signature), selectable by name like a built-in one.
 """
@@ -544,15 +544,15 @@ def requested(options: Options, graph: Graph, node: Node, index: int) -> str:
 
 
 def over_cap(algorithm: Algorithm, graph: Graph, node: Node, options: Options) -> str | None:
-    """Why ``algorithm``'s extra bytes exceed ``options.max_extra_bytes`` at ``node``, or
+    """Why ``algorithm``'s extra bytes exceed ``options.max_extra_param_bytes`` at ``node``, or
     None."""
-    cap = options.max_extra_bytes
+    cap = options.max_extra_param_bytes
     if cap is None:
         return None
     extra = int(algorithm.extra_bytes(graph, node))
     if extra <= cap:
         return None
-    return f"{extra / 2**20:.2f} MiB extra memory over max_extra_bytes ({cap / 2**20:.2f} MiB)"
+    return f"{extra / 2**20:.2f} MiB extra memory over max_extra_param_bytes ({cap / 2**20:.2f} MiB)"
 
 
 def _usable(
@@ -568,7 +568,7 @@ def default_choice(
 ) -> Choice | None:
     """The middleware's own choice: conv2d as Winograd where ``options.winograd`` is on,
     its measured rule picks the layer and its extra bytes are within
-    ``options.max_extra_bytes``, else the vendor call; None where nothing offers a
+    ``options.max_extra_param_bytes``, else the vendor call; None where nothing offers a
     call (the catalogue reference runs)."""
     if (
         node.op == "conv2d"
