@@ -168,9 +168,9 @@ class Lowering:
             if fxn.op == "placeholder":
                 meta = fxn.meta.get("mw_value")
                 if not isinstance(meta, TensorType):
-                    raise UnsupportedError(
-                        f"input {fxn.name!r} is not a tensor ({type(meta).__name__})"
-                    )
+                    # a TraceError: optimize() captures such a model through TorchDynamo,
+                    # whose subgraphs take the tensors inside the structure
+                    raise TraceError(f"input {fxn.name!r} is not a tensor ({type(meta).__name__})")
                 if meta.rank == 4 and _is_channels_last(self.examples[len(self.g.inputs)]):
                     meta = TensorType(meta.shape, meta.dtype, "nhwc")
                 self.env[fxn] = V(self.g.add_input(fxn.name, meta))

@@ -107,12 +107,18 @@ def rejected(model: nn.Module, inputs: Sequence[torch.Tensor], err: Exception) -
     name = type(model).__name__
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     for i, x in enumerate(inputs):
-        if len(dtypes) == 1 and x.dtype not in dtypes:
+        if isinstance(x, torch.Tensor) and len(dtypes) == 1 and x.dtype not in dtypes:
             (want,) = dtypes
             also = f" (or the model with model.to({x.dtype}))" if x.is_floating_point() else ""
             return InputTypeError(
                 f"input {i} is {x.dtype} but {name}'s parameters are {want}: convert the input "
                 f"with x.to({want}){also}; PyTorch itself fails on it: {first_line(err)}"
+            )
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor):
+            return InputTypeError(
+                f"input {i} is a {type(x).__name__}, which {name} rejects in eager PyTorch "
+                f"too: {first_line(err)}; pass the inputs the original model accepts"
             )
     given = ", ".join(describe_tensor(x) for x in inputs)
     return InputMismatchError(

@@ -56,6 +56,20 @@ _GLOBAL_COMPILE_LOCK = threading.RLock()
 
 
 _NOT_RUN = object()  # _compile's second result when it did not run the model itself
+# The plan key of calls whose inputs are not all tensors (a detection model's list of
+# images): one TorchDynamo capture serves them all, its guards telling the structures apart.
+_STRUCTURED = ("inputs other than tensors",)
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors inside nested lists, tuples and dicts of call inputs."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [t for x in tree for t in _tensor_leaves(x)]
+    return []
 
 
 class OptimizedModule(nn.Module):
@@ -110,9 +124,15 @@ class OptimizedModule(nn.Module):
                 if not isinstance(example_inputs, torch.Tensor)
                 else (example_inputs,)
             )
-            self._check_types(inputs)
+            structured = not all(isinstance(x, torch.Tensor) for x in inputs)
+            if structured and model.training:
+                self._check_types(inputs)  # training plans take tensors only
+            if not structured:
+                self._check_types(inputs)
             with _GLOBAL_COMPILE_LOCK:  # optimize() may run in several threads at once
-                if model.training:
+                if structured:
+                    self._compile(inputs, _STRUCTURED)
+                elif model.training:
                     self._compile_train(inputs, (self._signature(inputs), mode_key(model)))
                 else:
                     self._compile(inputs, self._signature(inputs))
@@ -243,9 +263,8 @@ class OptimizedModule(nn.Module):
             )
         try:
             inputs, sig = dense_signature(inputs)
-        except AttributeError:
-            self._check_types(inputs)
-            raise
+        except AttributeError:  # an input that is not a tensor
+            return self._forward_structured(inputs)
         if self._original.training or any(m.training for m in self._all_modules):
             # the inference plans compute eval semantics, of every submodule
             return self._forward_train(inputs, (sig, mode_key(self._original)))
@@ -275,9 +294,30 @@ class OptimizedModule(nn.Module):
         except Exception as e:  # noqa: BLE001 - a plan bug must not reach the user
             return self._run_failed(inputs, sig, e)
 
+    def _forward_structured(self, inputs: Sequence[Any]) -> Any:
+        """A call with inputs that are not all tensors (a list of images, None, a number):
+        the model through TorchDynamo (``compile_fn``: the frontend refuses such inputs with
+        a ``TraceError``), whose subgraphs over tensors are optimized and whose guards follow
+        the inputs' structure; inference only."""
+        if self._original.training or any(m.training for m in self._all_modules):
+            self._check_types(inputs)  # raises: training plans take tensors only
+        entry = self._plans.get(_STRUCTURED)
+        if entry is None:
+            entry, out = self._build(inputs, _STRUCTURED)
+            if out is not _NOT_RUN:
+                return out
+            if entry is None:
+                return self._original(*inputs)
+        self.__dict__["_latest"] = entry
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._run_entry(entry, inputs, _STRUCTURED)
+        return self._run_entry(entry, inputs, _STRUCTURED)
+
     def _build(self, inputs: Sequence[torch.Tensor], sig: tuple) -> tuple[Compiled | None, Any]:
         """Double-checked: another thread may have built the signature while this one waited."""
-        self._check_types(inputs)
+        if sig is not _STRUCTURED:
+            self._check_types(inputs)
         with _GLOBAL_COMPILE_LOCK, self._compile_lock:
             entry = self._plans.get(sig)
             if entry is not None:
@@ -335,11 +375,12 @@ class OptimizedModule(nn.Module):
         signature trains as the original model, the reason in report()."""
         device = torch.device(self.options.device)
         for i, x in enumerate(inputs):
-            if x.device.type != device.type:
-                raise InputTypeError(
-                    f"input {i} is on {x.device} but the model was optimized for "
-                    f"device={self.options.device!r}; move the input with .to('{device}')"
-                )
+            for t in _tensor_leaves(x):
+                if t.device.type != device.type:
+                    raise InputTypeError(
+                        f"input {i} is on {t.device} but the model was optimized for "
+                        f"device={self.options.device!r}; move the input with .to('{device}')"
+                    )
         reason = unsupported_inputs(inputs)
         entry: Compiled | None = None
         if reason is None:
@@ -423,17 +464,18 @@ class OptimizedModule(nn.Module):
         Called under the process-wide compile lock (and the module's, after __init__)."""
         device = torch.device(self.options.device)
         for i, x in enumerate(inputs):
-            if x.device.type != device.type:
-                raise InputTypeError(
-                    f"input {i} is on {x.device} but the model was optimized for "
-                    f"device={self.options.device!r}; move the input with .to('{device}')"
-                )
+            for t in _tensor_leaves(x):
+                if t.device.type != device.type:
+                    raise InputTypeError(
+                        f"input {i} is on {t.device} but the model was optimized for "
+                        f"device={self.options.device!r}; move the input with .to('{device}')"
+                    )
         before = WeightSnapshot.take(self._original)
         if self._weights is not None:  # moved storage (p.data = ...) shows only here
             changed = self._weights.changed(before)
             if changed:
                 self._forget_plans(describe_names(changed))
-        reason = unsupported_inputs(inputs)
+        reason = unsupported_inputs(inputs) if sig is not _STRUCTURED else None
         if reason is not None:
             return self._runs_as_original(inputs, sig, reason), _NOT_RUN
         saved = [(b, b.detach().clone()) for b in self._original.buffers()]
@@ -455,7 +497,7 @@ class OptimizedModule(nn.Module):
         return entry, _NOT_RUN
 
     def _register(self, inputs: Sequence[torch.Tensor], sig: tuple, entry: Compiled) -> None:
-        if self._specs is None:
+        if self._specs is None and sig is not _STRUCTURED:
             self._specs = [InputSpec.of(x) for x in inputs]
         self._plans[sig] = entry
         self._latest = entry
