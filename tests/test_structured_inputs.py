@@ -107,3 +107,31 @@ def test_detection_and_video_models_still_run(tmp_path):
         warnings.simplefilter("ignore")
         opt = middleware.optimize(video, cache_dir=tmp_path)
         torch.testing.assert_close(opt(clip), video(clip), rtol=1e-4, atol=1e-4)
+
+
+def test_inference_dropout_in_place_is_the_identity(tmp_path):
+    """``F.dropout(x, training=False, inplace=True)`` (as TorchDynamo records
+    mobilenet_v3's classifier) writes nothing: the graph keeps its views (a subgraph used to
+    run as the original for an in-place write through a view)."""
+    import torch.nn.functional as F
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(12, 16), nn.Linear(16, 5)
+
+        def forward(self, x):
+            y = F.hardswish(self.fc1(x.flatten(1)))
+            z = F.dropout(y, 0.2, False, True)
+            return torch.cat([self.fc2(z), y], dim=1)
+
+    torch.manual_seed(0)
+    model = Head().eval()
+    x = torch.randn(3, 3, 2, 2)
+    backend = middleware.Backend(device="cpu", cache_dir=tmp_path)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no subgraph may run as the original
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    (sub,) = backend.report().subgraphs
+    assert sub.optimized and not sub.report.fallbacks, str(sub.report)

@@ -36,7 +36,9 @@ def _f(op: str, spec: Sequence[tuple[str, Any]], attrs_of=None, inplace_name: bo
         b = bind(args, kwargs, spec, op)
         x = tensor_arg(b[spec[0][0]], f"{op} input")
         attrs = attrs_of(low, x, b) if attrs_of else {}
-        inplace = bool(b.get("inplace", False)) or inplace_name
+        # a dropout reaching here is an inference one (_dropout_attrs refuses training):
+        # the identity, so its in-place form writes nothing that aliases could see
+        inplace = (bool(b.get("inplace", False)) or inplace_name) and op != "dropout"
         return op, [x], attrs, inplace
 
     return rule
