@@ -133,7 +133,7 @@ def _shuffle_net(contiguous: bool) -> Graph:
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_channel_shuffle_runs_in_nhwc_without_conversions(contiguous):
     g = _shuffle_net(contiguous)
-    h = assign_layout(g)
+    h = assign_layout(g, layout="nhwc")  # alone, a shuffle keeps its input order ("auto")
     conversions = [n for n in h.nodes() if n.op == "to_layout"]
     assert [h.values[n.outputs[0]].layout for n in conversions] == ["nhwc", "nchw"]
     assert h.values["u_out"].layout == "nhwc" and h.values["s_out"].layout == "nhwc"
@@ -305,3 +305,23 @@ def test_network_end_to_end_vendor_nhwc(name, tmp_path):
     assert y.is_contiguous()
     assert opt.graph.meta.get("layout") == "nhwc"
     assert not opt.report().fallbacks
+
+
+def test_auto_keeps_the_input_order_without_image_ops():
+    """A graph of 4-d values but no convolution, pooling or batch norm (attention over
+    batch x heads x tokens x dims) gets no conversions under "auto"; one convolution and the
+    network layout applies."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import middleware
+
+    class Attn(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v) * 2.0
+
+    q = torch.randn(1, 2, 9, 16)
+    g = assign_layout(middleware.trace(Attn().eval(), (q, q, q)))
+    assert "to_layout" not in _ops(g) and all(t.layout == "nchw" for t in g.values.values())
+    h = assign_layout(_small_net())
+    assert "to_layout" in _ops(h)

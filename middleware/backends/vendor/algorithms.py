@@ -64,7 +64,7 @@ from ...version import __version__
 from ..interface import held_inputs
 from ..x86.build import load_shared
 from ..x86.compile import build_c
-from . import direct, gemv, tuning
+from . import direct, flash, gemv, tuning
 from . import winograd as wg
 from . import winograd_f2 as wg2
 from .calls import (
@@ -276,10 +276,54 @@ GEMV = Algorithm(
     "at memory speed; activation fused",
 )
 
+# ------------------------------------------------------------------ attention
+SDPA = "scaled_dot_product_attention"
+# Why the default runs ATen's kernel: bench/attention.py (one process, interleaved),
+# session 9: see the README's attention table.
+SDPA_DEFAULT_REASON = (
+    "ATen's scaled_dot_product_attention (its CPU flash-attention kernel: tiles with an "
+    "online softmax and GEMMs inside): measured faster than the generated flash kernel "
+    "(bench/attention.py); algorithms={'scaled_dot_product_attention': 'flash'} runs ours"
+)
+
+
+def _sdpa_vendor_build(
+    graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
+) -> Kernel | None:
+    return get_op(node.op).bind(node)
+
+
+def _flash_applies(graph: Graph, node: Node, device: torch.device, options: Options) -> str | None:
+    return flash.why_not(graph, node, device)
+
+
+def _flash_build(
+    graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
+) -> Kernel | None:
+    return flash.kernel(graph, node, options, hardware)
+
+
+SDPA_VENDOR = Algorithm(
+    "vendor",
+    SDPA,
+    _vendor_applies,
+    _sdpa_vendor_build,
+    description="ATen's scaled_dot_product_attention (on the CPU its flash-attention kernel)",
+)
+FLASH = Algorithm(
+    "flash",
+    SDPA,
+    _flash_applies,
+    _flash_build,
+    description="generated flash attention: query tiles against key/value tiles, online "
+    "softmax, the score matrix never materialised",
+)
+
 # Per op, its algorithms by name; the first is the default's fallback.
 ALGORITHMS: dict[str, dict[str, Algorithm]] = {
     "conv2d": {a.name: a for a in (VENDOR, WINOGRAD_F4X4, IM2COL_GEMM, WINOGRAD_F2X2, DIRECT)},
     "linear": {a.name: a for a in (LINEAR_VENDOR, GEMV)},
+    SDPA: {a.name: a for a in (SDPA_VENDOR, FLASH)},
 }
 
 
@@ -582,6 +626,8 @@ def default_choice(
             return Choice(fn, WINOGRAD_F4X4.name, fn.algorithm)
     if node.op not in ALGORITHMS:
         return None
+    if node.op == SDPA:
+        return Choice(get_op(node.op).bind(node), SDPA_VENDOR.name, SDPA_DEFAULT_REASON)
     fn = vendor_kernel(graph, node, device, hardware)
     return None if fn is None else Choice(fn, VENDOR.name, "")
 
