@@ -13,8 +13,10 @@ optimizer's in-place updates are what the next step reads.
   ``passes/autodiff.differentiate`` builds one backward graph per input gradient, which
   recomputes the forward nodes it needs from the saved inputs, and the same code
   generator makes it a depth-first kernel: intermediates recomputed inside its tiles, not
-  stored). Elsewhere (no rule: max and average pooling, split; a gradient that would need
-  a reduction inside the group; a compile failure) the backward recomputes the group's
+  stored; max-pooling routes through the recomputed argmax, ``op_reductions.py``).
+  Elsewhere (no rule: adaptive max-pooling, a max-pool merged with an activation other
+  than relu/hardtanh, a view or reduction whose output gradient arrives in broadcast form;
+  a compile failure) the backward recomputes the group's
   intermediates with the nodes' catalogue implementations and differentiates them
   (``torch.autograd.grad``); ``report()`` says which, and why, per group.
 - Convolutions, matrix products and every other node run through their catalogue
@@ -22,6 +24,8 @@ optimizer's in-place updates are what the next step reads.
 - Batch-norm in training mode and dropout are the frontend's ``fallback`` nodes: the user's
   own module is called, so batch statistics, running statistics (momentum, cumulative
   average, ``num_batches_tracked``) and the random stream are PyTorch's, in eager order.
+  With ``DECOMPOSE_BATCH_NORM`` (off: see there) a batch-norm is instead a statistics node
+  and elementwise nodes that fuse (``decompose_batch_norm``).
 
 ``compile_training`` builds one for a model in train mode; a model it cannot build one for
 runs as the original (with autograd), the reason in ``report()``.
