@@ -525,3 +525,20 @@ def test_max_extra_bytes_is_the_old_name_of_max_extra_param_bytes():
     assert o.max_extra_param_bytes == 1024
     with pytest.raises(TypeError, match="max_extra_param_bytes only"):
         make_options("cpu", None, {"max_extra_bytes": 1, "max_extra_param_bytes": 2})
+
+
+def test_the_default_runs_depthwise_layers_direct_at_batch_one(tmp_path):
+    """The measured rule (bench/depthwise.py): a depthwise convolution at batch 1 runs the
+    generated direct kernel, at batch 2 and more oneDNN's; a dense one stays oneDNN's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.ReLU(), nn.Conv2d(16, 8, 1)
+    ).eval()
+    for batch, want in ((1, "direct"), (2, "vendor")):
+        x = torch.randn(batch, 16, 12, 12)
+        opt = middleware.optimize(model, example_inputs=(x,), cache_dir=tmp_path)
+        with torch.no_grad():
+            y, ref = opt(x), model(x)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        algs = [r.algorithm for r in opt.report().rows if r.op == "conv2d"]
+        assert algs[0] == want and algs[1] != "direct", algs
