@@ -49,7 +49,7 @@ def depthwise(draw):
     return (n, c, h, w), (c, 1, kh, kw), geo
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     geo=depthwise(),
     bias=st.booleans(),
