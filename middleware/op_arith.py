@@ -52,6 +52,7 @@ register(
         flops_per_elem=2.0,
         loops=loops.batch_norm_loops,
         out=OutVariant(_batch_norm_out, (0,)),
+        image_op=True,
     )
 )
 

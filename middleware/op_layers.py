@@ -72,6 +72,7 @@ register(
         per_sample=True,
         layout_preserving=True,
         weight_inputs=frozenset({1}),
+        image_op=True,
     )
 )
 

@@ -650,6 +650,7 @@ register(
         out=OutVariant(_max_pool2d_out),
         temp_bytes_per_elem=INDEX_BYTES,
         grad=_max_pool_grad,
+        image_op=True,
     )
 )
 
@@ -698,6 +699,7 @@ register(
         layout_preserving=True,
         out=OutVariant(_avg_pool2d_out),
         grad=_avg_pool_grad,
+        image_op=True,
     )
 )
 
@@ -767,6 +769,7 @@ register(
         # ATen's kernel restrides a strided (concat slice) output
         out=OutVariant(_adaptive_avg_pool2d_out, dense_only=True),
         grad=_spatial_mean_grad,
+        image_op=True,
     )
 )
 register(
@@ -779,6 +782,7 @@ register(
         per_sample=True,
         layout_preserving=True,
         temp_bytes_per_elem=INDEX_BYTES,
+        image_op=True,
     )
 )
 
@@ -807,6 +811,7 @@ register(
         out=OutVariant(_max_pool2d_out),
         temp_bytes_per_elem=INDEX_BYTES,
         grad=_maxpool_act_grad,
+        image_op=True,
     )
 )
 

@@ -166,6 +166,10 @@ class OpDef:
     layout_preserving_if: Callable[[Mapping[str, Any]], bool] | None = None
     # Its inputs must carry the declared strides even where the two orders coincide.
     stride_strict: bool = False
+    # The network layout (passes/layout.LAYOUT_RULES) was measured on this op (convolution,
+    # pooling, batch norm): under layout="auto" a graph with none of them keeps its 4-d
+    # inputs' memory order (its 4-d values may not be images: attention's b x h x l x d).
+    image_op: bool = False
     # The reference may return a strided view of its input, dense in neither order.
     strided_view: bool = False
     # Input positions holding weights, which keep their layout (the vendor path prepacks).

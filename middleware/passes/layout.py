@@ -46,21 +46,6 @@ LAYOUT_RULES: dict[str, str] = {"cpu": "nhwc", "cuda": "nhwc", "cuda_fp32": "nch
 # (``weight_inputs``) are facts of the op registry's entries.
 
 
-# The ops whose speed decided LAYOUT_RULES (convolutions, pooling, batch norms): a graph
-# without any of them gains nothing from converting its 4-d values.
-IMAGE_OPS = frozenset(
-    {
-        "conv2d",
-        "batch_norm",
-        "max_pool2d",
-        "avg_pool2d",
-        "adaptive_avg_pool2d",
-        "adaptive_max_pool2d",
-        "maxpool_relu",
-    }
-)
-
-
 def network_layout(device_kind: str, option: str = "auto", tf32: bool | None = None) -> str:
     """The layout for every 4-d value: ``option`` if "nchw"/"nhwc", else ``LAYOUT_RULES``
     for the device kind; on CUDA ``tf32`` (default: ``torch.backends.cudnn.allow_tf32`` at
@@ -96,7 +81,7 @@ def assign_layout(graph: Graph, hardware: Hardware | None = None, layout: str = 
     if graph.meta.get("layout") is not None:
         return graph
     mode = network_layout(hardware.kind if hardware is not None else "cpu", layout)
-    if layout == "auto" and not any(n.op in IMAGE_OPS for n in graph.nodes()):
+    if layout == "auto" and not any(get_op(n.op).image_op for n in graph.nodes()):
         # no op the network layout was measured for: 4-d values that may not be images (an
         # attention's batch x heads x tokens x dims) keep the order they come in, no copies
         given = {graph.values[v].layout for v in graph.inputs if graph.values[v].rank == 4}
