@@ -123,6 +123,12 @@ class ValueTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if type(m) in MODULE_DECOMPOSITIONS:
             return m is self._leaf_once  # call_module decides: decomposed, or one call
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+            # a batch norm updating its statistics (a subclass too, which fx would trace
+            # through): one call of the user's module, so that its buffer updates
+            # (num_batches_tracked, the running statistics, momentum=None's average) happen
+            # in the module at every call instead of being frozen at trace time
+            return True
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
