@@ -2,10 +2,10 @@
 "vendor" algorithm) against the generated flash kernel (``algorithms={"sdpa": "flash"}``),
 both through ``optimize()``, on the attention shapes of common models and long sequences.
 
-Every round calls each engine once in a new random order (median of ``--repeat`` rounds
-after ``--warmup``); every engine's output is checked against ``F.scaled_dot_product_
-attention`` (max abs error over the reference's max magnitude). Two threads unless
-``--threads`` says otherwise.
+Every round calls each engine in a new random order, one discarded call then one timed
+(``zoo.timed_blocks``; median of ``--repeat`` rounds after ``--warmup``); every engine's
+output is checked against ``F.scaled_dot_product_attention`` (max abs error over the
+reference's max magnitude). Two threads unless ``--threads`` says otherwise.
 
 Usage: ``python bench/attention.py [--repeat 15] [--out bench/results/attention_cpu.md]``
 """
@@ -13,11 +13,9 @@ Usage: ``python bench/attention.py [--repeat 15] [--out bench/results/attention_
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
+import functools
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -53,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from zoo import max_rel_err, timed_blocks
+
     import middleware
 
     torch.set_num_threads(args.threads)
@@ -76,22 +76,11 @@ def main(argv: list[str] | None = None) -> int:
                 model, example_inputs=(q, k, v), cache_dir=cache, algorithms={SDPA: "flash"}
             ),
         }
-        times: dict[str, list[float]] = {key: [] for key in engines}
         with torch.no_grad():
             ref = model(q, k, v)
-            errs = {
-                key: float((fn(q, k, v) - ref).abs().max() / ref.abs().max())
-                for key, fn in engines.items()
-            }
-            for r in range(args.warmup + args.repeat):
-                order = list(engines)
-                random.shuffle(order)
-                for key in order:
-                    t0 = time.perf_counter()
-                    engines[key](q, k, v)
-                    if r >= args.warmup:
-                        times[key].append(time.perf_counter() - t0)
-        ms = {key: statistics.median(t) * 1e3 for key, t in times.items()}
+            errs = {key: max_rel_err(fn(q, k, v), ref) for key, fn in engines.items()}
+            calls = {key: functools.partial(fn, q, k, v) for key, fn in engines.items()}
+            ms = timed_blocks(calls, args.warmup, args.repeat, block=1, seed=0)
         line = (
             f"| {name} | {b}x{h}x{lq}x{ls}x{d}{' causal' if causal else ''} | "
             f"{ms['eager']:.3f} | {ms['vendor']:.3f} | {ms['flash']:.3f} | "

@@ -1,7 +1,9 @@
 """Depthwise convolutions: oneDNN (``algorithms={"conv2d": <vendor for depthwise
 layers>}``) against the generated direct kernel (``<direct for depthwise layers>``; every
-other layer takes the default either way) on the networks made of them, whole networks through ``optimize()``, every engine once per round in a new random
-order, medians, outputs checked against eager (variance-keeping weights).
+other layer takes the default either way) on the networks made of them, whole networks
+through ``optimize()``, every engine in a new random order each round
+(``zoo.timed_blocks``: one discarded call, then one timed), medians, outputs checked
+against eager (variance-keeping weights).
 
 Usage: ``python bench/depthwise.py [--rounds 15] [--batch 1,16] [--out FILE]``
 """
@@ -9,11 +11,8 @@ Usage: ``python bench/depthwise.py [--rounds 15] [--batch 1,16] [--out FILE]``
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -46,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(root / "bench"))
     import torchvision
     from coverage import variance_keeping
+    from zoo import max_rel_err, timed_blocks
 
     import middleware
 
@@ -83,22 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             engines["default"] = lambda o=opt, x=x: o(x)
             engines["direct"] = lambda o=dw, x=x: o(x)
-            times: dict[str, list[float]] = {k: [] for k in engines}
             with torch.inference_mode():
                 ref = model(x)
-                err = {
-                    k: float((engines[k]() - ref).abs().max() / ref.abs().max())
-                    for k in ("default", "direct")
-                }
-                for r in range(args.warmup + args.rounds):
-                    order = list(engines)
-                    random.shuffle(order)
-                    for k in order:
-                        t0 = time.perf_counter()
-                        engines[k]()
-                        if r >= args.warmup:
-                            times[k].append(time.perf_counter() - t0)
-            ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+                err = {k: max_rel_err(engines[k](), ref) for k in ("default", "direct")}
+                ms = timed_blocks(engines, args.warmup, args.rounds, block=1, seed=0)
             line = (
                 f"| {net} | {batch} | {ms['eager_cl']:.2f} | {ms['default']:.2f} | "
                 f"{ms['direct']:.2f} | {ms['direct'] / ms['default']:.2f} | "

@@ -610,7 +610,8 @@ def _usable(
 # The default's depthwise rule, measured (bench/depthwise.py, session 9, quiet host, two
 # threads, whole networks through optimize()): the direct kernel for every depthwise layer
 # took 0.80-0.92x oneDNN's time at batch 1 (mobilenet_v2, mobilenet_v3_small,
-# shufflenet_v2_x1_0) and 1.05-1.13x at batch 16.
+# shufflenet_v2_x1_0) and 1.05-1.13x at batch 16; a rerun timed by zoo.timed_blocks
+# (bench/results/depthwise_cpu.md): 0.88-0.97x and 1.01-1.16x.
 DIRECT_DEPTHWISE_REASON = (
     "direct (depthwise at batch 1): measured faster than oneDNN's depthwise call there "
     "(bench/depthwise.py); at larger batches oneDNN's is"
