@@ -313,6 +313,8 @@ def test_shared_weights_keep_no_copy(layout, tmp_path):
     """``cuda_weights="share"``: batch norms stay unfolded (a multiply-add after the
     convolution), every convolution reads the model's own weight storage, and the plan
     still matches PyTorch; "copy" (the default) folds and copies them instead."""
+    import dataclasses
+
     from middleware.backends.cuda.backend import CudaBackend
     from middleware.passes import run_passes
 
@@ -331,14 +333,7 @@ def test_shared_weights_keep_no_copy(layout, tmp_path):
         )
         off = backend.passes_off(options)
         assert off == (("fold_batchnorm",) if mode == "share" else ())
-        passes = Options(
-            device="cuda",
-            cache_dir=tmp_path,
-            measure_hardware=False,
-            layout=layout,
-            cuda_weights=mode,
-            disable_passes=off,
-        )
+        passes = dataclasses.replace(options, disable_passes=off)  # as compile_graph does
         graph = backend.lower(run_passes(middleware.trace(model, x), passes, FAKE_GPU), options)
         units = cuda_units(graph, options, FAKE_GPU, torch.device("cpu"), emulate=True)
         plan = build_plan(graph, torch.device("cpu"), units)

@@ -271,6 +271,10 @@ class OptimizedModule(nn.Module):
         weights = self._weights
         if weights is not None and not weights.current():
             self._revalidate()
+        return self._plan_call(inputs, sig)
+
+    def _plan_call(self, inputs: Sequence[Any], sig: tuple) -> Any:
+        """The plan of ``sig`` (built on first use) run on ``inputs``, without gradients."""
         entry = self._plans.get(sig)  # the fast path takes no lock
         if entry is None:
             entry, out = self._build(inputs, sig)
@@ -301,18 +305,7 @@ class OptimizedModule(nn.Module):
         the inputs' structure; inference only."""
         if self._original.training or any(m.training for m in self._all_modules):
             self._check_types(inputs)  # raises: training plans take tensors only
-        entry = self._plans.get(_STRUCTURED)
-        if entry is None:
-            entry, out = self._build(inputs, _STRUCTURED)
-            if out is not _NOT_RUN:
-                return out
-            if entry is None:
-                return self._original(*inputs)
-        self.__dict__["_latest"] = entry
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return self._run_entry(entry, inputs, _STRUCTURED)
-        return self._run_entry(entry, inputs, _STRUCTURED)
+        return self._plan_call(inputs, _STRUCTURED)
 
     def _build(self, inputs: Sequence[torch.Tensor], sig: tuple) -> tuple[Compiled | None, Any]:
         """Double-checked: another thread may have built the signature while this one waited."""
