@@ -1,15 +1,26 @@
 """Conv2d algorithms per network: static choices against autotuning, timed interleaved in
 one process, plus the cost of tuning cold and the reuse of its stored decisions.
 
-For every network and batch size, five engines run the same input:
+For every network and batch size (the eleven networks of ``zoo.py``), nine engines run
+the same input:
 
 - ``eager_cl``: the model in ``torch.inference_mode()``, model and input channels_last;
 - ``default``: ``middleware.optimize(model, example_inputs=(x,))`` (the middleware's own
-  per-layer choice: Winograd F(4x4, 3x3) by its measured rule, else the vendor call);
-- ``vendor``: ``algorithms={"conv2d": "vendor"}``: every convolution through PyTorch/oneDNN;
-- ``im2col_gemm``: ``algorithms={"conv2d": "im2col_gemm"}``: im2row workspace + GEMM;
+  per-layer choice: Winograd F(4x4, 3x3) by its measured rule, the direct kernel for
+  depthwise layers at batch 1, else the vendor call);
+- one static choice per built-in conv2d algorithm, ``algorithms={"conv2d": name}`` for
+  ``vendor``, ``winograd_f4x4``, ``winograd_f2x2``, ``im2col_gemm`` and ``direct`` (the
+  algorithm on every layer it applies to, the default's choice on the others);
 - ``autotune``: ``algorithms={"conv2d": "autotune"}``: every applicable algorithm measured
-  on each layer's problem size, the fastest kept (decisions stored in the cache directory).
+  on each layer's problem size, the fastest kept, then the network's plan chosen as a
+  whole among the per-layer tuned plan, the default and the static choices within reach
+  (``pipeline.network_choice``; decisions stored in the cache directory).
+
+Every engine plans with the same hardware figures (measured once per run), so that two
+engines differ in their algorithms only. ``autotune / best static`` is the median over
+rounds of autotune's time over the fastest static engine's (default included) in the same
+round; "same plan" marks a static engine that runs autotune's algorithm on every conv2d
+layer (the same code: their difference is the host's noise).
 
 Latency is the median of ``--repeat`` rounds after ``--warmup`` rounds; each round calls
 every engine once, in a new random order. Every engine's output is checked against eager
@@ -60,7 +71,6 @@ import dataclasses
 import gc
 import math
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -72,24 +82,23 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
-import torchvision.models as tvm
 
 import middleware
 from middleware.backends.vendor import ALGORITHMS, tuning
+from middleware.backends.vendor.algorithms import candidate_times
 from middleware.graph import Graph, Node, TensorType
 from middleware.hardware import detect
 from middleware.ops import get_op, infer_types
 from middleware.options import Options
 
-NETWORKS: dict[str, tuple[Callable[[], nn.Module], int]] = {
-    "resnet18": (tvm.resnet18, 224),
-    "vgg16": (tvm.vgg16, 224),
-    "mobilenet_v2": (tvm.mobilenet_v2, 224),
-    "googlenet": (lambda: tvm.googlenet(aux_logits=False, init_weights=False), 224),
-    "squeezenet1_1": (tvm.squeezenet1_1, 224),
-}
-DEFAULT_NETS = ("resnet18", "vgg16", "mobilenet_v2", "googlenet")
-ENGINES = ("eager_cl", "default", "vendor", "im2col_gemm", "autotune")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zoo import NETWORKS  # noqa: E402  (the eleven networks, the same builders as the peer table)
+
+DEFAULT_NETS = tuple(NETWORKS)  # the eleven
+# every conv2d algorithm as one static choice for the whole network (a layer it does not
+# apply to runs the default's choice, and the report says why)
+STATIC = ("vendor", "winograd_f4x4", "winograd_f2x2", "im2col_gemm", "direct")
+ENGINES = ("eager_cl", "default", *STATIC, "autotune")
 MW_ENGINES = ENGINES[1:]
 
 
@@ -102,6 +111,8 @@ class Row:
     ms: dict[str, float]  # median per engine
     err: dict[str, float]  # max relative error per engine against eager NCHW
     picks: dict[str, dict[str, int]]  # engine -> algorithm -> conv2d rows
+    plans: dict[str, dict[str, str]]  # engine -> conv2d node -> algorithm
+    rounds: dict[str, list[float]]  # engine -> ms of each round (same rounds for all)
     extra: dict[str, int]  # engine -> sum of rows' extra_bytes
     opt_s: dict[str, float]  # default_cold, autotune_cold, autotune_reuse
     # (rows saying "tuned: cached", tuned rows) in the reuse run, then "auto"'s rows that
@@ -148,9 +159,9 @@ def max_rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def interleaved(
     fns: dict[str, Callable[[], Any]], warmup: int, repeat: int, rng: random.Random
-) -> dict[str, float]:
-    """Median milliseconds per function; each round calls every function once, in a new
-    random order."""
+) -> dict[str, list[float]]:
+    """Milliseconds of every round per function; each round calls every function once, in
+    a new random order."""
     names = list(fns)
     for _ in range(warmup):
         rng.shuffle(names)
@@ -162,8 +173,8 @@ def interleaved(
         for k in names:
             t0 = time.perf_counter()
             fns[k]()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def conv_rows(opt: Any) -> list[Any]:
@@ -174,20 +185,20 @@ def picks_of(opt: Any) -> dict[str, int]:
     return dict(collections.Counter(r.algorithm or "generated" for r in conv_rows(opt)))
 
 
-_TIME = re.compile(r"([A-Za-z_][\w]*) ([0-9.]+(?:e[+-]?\d+)?) ms")
-
-
-def candidate_times(reason: str) -> dict[str, float]:
-    """Candidate -> ms from a row's reason ("tuned: X best of N: a 0.38 ms, b 0.49 ms")."""
-    tail = reason.split(" best of ", 1)[1] if " best of " in reason else ""
-    return {m.group(1): float(m.group(2)) for m in _TIME.finditer(tail)}
+# The hardware figures every engine plans with, measured once per run (``main``): each
+# engine has its own cache directory, and a fresh one would measure the host again, so two
+# engines could plan with different bandwidths (the batch-sliced prefix and the group
+# classification depend on them) and differ in more than their algorithms.
+HARDWARE: Any = None
 
 
 def timed_optimize(
     model: nn.Module, x: torch.Tensor, cache: Path, sel: Any
 ) -> tuple[Callable[[], Any], Any, float]:
     t0 = time.perf_counter()
-    kw = {} if sel is None else {"algorithms": {"conv2d": sel}}
+    kw: dict[str, Any] = {} if sel is None else {"algorithms": {"conv2d": sel}}
+    if HARDWARE is not None:
+        kw["hardware"] = HARDWARE
     opt = middleware.optimize(model, example_inputs=(x,), cache_dir=cache, **kw)
     seconds = time.perf_counter() - t0
 
@@ -238,12 +249,14 @@ def measure(net: str, batch: int, args: argparse.Namespace, scratch: Path, per_l
         print(f"  {net} b{batch}: auto picked differently from autotune!", file=sys.stderr)
     reused = (*reused, sum(r.reason.startswith("auto: stored") for r in conv_rows(auto)))
     del auto
-    for name in ("vendor", "im2col_gemm"):
+    for name in STATIC:
         fns[name], opts[name], opt_s[f"{name}_warm"] = timed_optimize(model, x, cache_default, name)
     err = {k: max_rel_err(fn(), ref) for k, fn in fns.items()}
     rng = random.Random(f"{net}-{batch}")
-    ms = interleaved(fns, args.warmup, args.repeat, rng)
+    rounds = interleaved(fns, args.warmup, args.repeat, rng)
+    ms = {k: statistics.median(v) for k, v in rounds.items()}
     picks = {k: picks_of(o) for k, o in opts.items()}
+    plans = {k: {r.node: r.algorithm or "generated" for r in conv_rows(o)} for k, o in opts.items()}
     extra = {k: sum(r.extra_bytes for r in conv_rows(o)) for k, o in opts.items()}
     layers: list[dict[str, Any]] = []
     if per_layer:
@@ -272,7 +285,7 @@ def measure(net: str, batch: int, args: argparse.Namespace, scratch: Path, per_l
             )
     del fns, opts
     gc.collect()
-    return Row(net, batch, ms, err, picks, extra, opt_s, reused, layers)
+    return Row(net, batch, ms, err, picks, plans, rounds, extra, opt_s, reused, layers)
 
 
 # ------------------------------------------------------------------------ report
@@ -304,34 +317,65 @@ def _shape(lay: Any) -> str:
     return f"{s} @ {n}x{h}x{w}"
 
 
+def best_static(r: Row) -> str:
+    """The fastest single static choice of the network (the default's rule included)."""
+    return min(("default", *STATIC), key=lambda e: r.ms[e])
+
+
+def paired(r: Row, a: str, b: str) -> float:
+    """``a``'s time over ``b``'s: the median over rounds of the ratio within each round
+    (the two ran moments apart, so the host's drift between rounds cancels)."""
+    return statistics.median(x / y for x, y in zip(r.rounds[a], r.rounds[b], strict=True))
+
+
+def same_plan(r: Row) -> list[str]:
+    """The static engines whose every conv2d layer runs the algorithm autotune picked
+    (the same plan: their measured difference is the host's noise)."""
+    return [e for e in ("default", *STATIC) if r.plans[e] == r.plans["autotune"]]
+
+
 def markdown(rows: Sequence[Row], meta: str) -> str:
     lines = [meta, ""]
     lines.append(
-        "| network | batch | eager_cl ms | default ms | vendor ms | im2col_gemm ms | "
-        "autotune ms | vendor / default | im2col / default | autotune / default | "
-        "autotune picked |"
+        "| network | batch | "
+        + " | ".join(f"{e} ms" for e in ENGINES)
+        + " | best static | autotune / best static | autotune / default | autotune picked |"
     )
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    lines.append("|---|---:|" + "---:|" * len(ENGINES) + "---|---:|---:|---|")
     for r in rows:
-        d = r.ms["default"]
+        best = best_static(r)
+        cells = " | ".join(f"**{r.ms[e]:.1f}**" if e == best else f"{r.ms[e]:.1f}" for e in ENGINES)
+        same = same_plan(r)
+        note = f" (same plan as {', '.join(same)})" if same else ""
         lines.append(
-            f"| {r.net} | {r.batch} | "
-            + " | ".join(f"{r.ms[e]:.1f}" for e in ENGINES)
-            + " | "
-            + " | ".join(f"{r.ms[e] / d:.2f}" for e in ("vendor", "im2col_gemm", "autotune"))
-            + f" | {_picks(r.picks['autotune'])} |"
+            f"| {r.net} | {r.batch} | {cells} | {best} | {paired(r, 'autotune', best):.2f} | "
+            f"{paired(r, 'autotune', 'default'):.2f} | {_picks(r.picks['autotune'])}{note} |"
         )
-    lines.append("")
+    lines += [
+        "",
+        "Ratios are medians over rounds of the ratio within each round (`autotune / best "
+        "static` < 1: autotune faster). Best static: the fastest of the default and every "
+        "algorithm chosen for every layer (a layer it does not apply to runs the default's "
+        "choice). Same plan: that static engine runs the algorithm autotune picked on every "
+        "conv2d layer, so the two are the same code and their difference is the host's.",
+        "",
+    ]
     for b in sorted({r.batch for r in rows}):
         sel = [r for r in rows if r.batch == b]
         parts = [
-            f"{e} {geomean([r.ms[e] / r.ms['default'] for r in sel]):.2f}"
-            for e in ("eager_cl", "vendor", "im2col_gemm", "autotune")
+            f"{e} {geomean([paired(r, e, 'default') for r in sel]):.2f}"
+            for e in ENGINES
+            if e != "default"
         ]
+        vs_best = [paired(r, "autotune", best_static(r)) for r in sel]
+        worst = max(range(len(sel)), key=lambda i: vs_best[i])
         lines.append(
             f"Batch {b}, geometric mean of ms / default ms over {len(sel)} networks: "
             + ", ".join(parts)
-            + " (< 1: faster than the default)."
+            + " (< 1: faster than the default). Autotune against each network's best static "
+            f"choice: geometric mean {geomean(vs_best):.2f}, at least as fast on "
+            f"{sum(v <= 1.0 for v in vs_best)} of {len(sel)}, worst {sel[worst].net} "
+            f"{vs_best[worst]:.2f}."
         )
     lines += [
         "",
@@ -339,14 +383,17 @@ def markdown(rows: Sequence[Row], meta: str) -> str:
         "rows' `extra_bytes`, MiB) and max error against eager NCHW (relative to the "
         "output's max magnitude):",
         "",
-        "| network | batch | default picks | extra MiB: default / vendor / im2col / autotune | "
-        "max rel. err: eager_cl / default / vendor / im2col / autotune |",
+        "| network | batch | default picks | extra MiB: "
+        + " / ".join(MW_ENGINES)
+        + " | max rel. err: "
+        + " / ".join(ENGINES)
+        + " |",
         "|---|---:|---|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.net} | {r.batch} | {_picks(r.picks['default'])} | "
-            + " / ".join(_mib(r.extra[e]) for e in ("default", "vendor", "im2col_gemm", "autotune"))
+            + " / ".join(_mib(r.extra[e]) for e in MW_ENGINES)
             + " | "
             + " / ".join(f"{r.err[e]:.1e}" for e in ENGINES)
             + " |"
@@ -807,7 +854,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     per_layer = {tuple(s.split(":")) for s in args.per_layer.split(",") if s}
     t_start = time.perf_counter()
     rows = []
+    global HARDWARE
     with tempfile.TemporaryDirectory(prefix="algorithms-") as tmp:
+        HARDWARE = detect("cpu", Path(tmp) / "hardware")
+        print(f"hardware: {HARDWARE}", file=sys.stderr)
         for b in batches:
             for net in nets:
                 t0 = time.perf_counter()

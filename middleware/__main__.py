@@ -228,7 +228,8 @@ def add_cache(subparsers: Any) -> None:
             "Count the compiled kernels and list the autotuning decisions "
             "(algorithms={'conv2d': 'autotune'}) kept in the cache directory: one line per "
             "problem (op, input -> output shape, weight shape, dtype, layout) with the "
-            "algorithm chosen. --clear-tuning deletes the decisions, so that the next "
+            "algorithm chosen, and one per network with the plan chosen as a whole (the "
+            "per-layer tuned one, the default or one algorithm everywhere). --clear-tuning deletes the decisions, so that the next "
             "optimize() measures again."
         ),
     )
@@ -246,6 +247,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
     print(f"{root}: {n_kernels} kernel(s), {len(entries)} tuning decision(s)")
     for key, d in sorted(entries.items(), key=lambda kv: str(kv[1].get("problem"))):
         p = d.get("problem", {}) if isinstance(d, dict) else {}
+        if "network" in p:  # a whole network's plan (pipeline.network_choice)
+            ins = ", ".join("x".join(map(str, s)) for s in p.get("inputs", ()))
+            print(f"  {key[:12]} network {p['network'][:12]} inputs {ins}: {d.get('algorithm')}")
+            continue
         shape = "x".join(map(str, p.get("input_shape", ())))
         out = "x".join(map(str, p.get("output_shape", ())))
         w = "x".join(map(str, p.get("weight_shape", ())))

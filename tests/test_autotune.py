@@ -155,12 +155,15 @@ def test_tunes_each_problem_once_and_reuses_the_stored_decisions(monkeypatch, tm
     monkeypatch.setattr(tuning, "TIMER", _fake_timer)
     rows = _optimize(tmp_path)
     assert [r.algorithm for r in rows] == ["im2col_gemm"] * 4
+    assert tuned.pop() == ["default", "tuned"]  # the whole plans, last (network_choice)
     assert len(tuned) == 3  # c2 and c3 are one problem
     assert all(r.reason.startswith("tuned: ") for r in rows)
     assert "same problem tuned before" in rows[2].reason
     assert "winograd_f4x4" in rows[1].reason and "pruned after round" in rows[1].reason
     stored = json.loads((tmp_path / "tuning" / "decisions.json").read_text())
-    assert len(stored) == 3 and {d["algorithm"] for d in stored.values()} == {"im2col_gemm"}
+    layers = {k: d for k, d in stored.items() if "network" not in d["problem"]}
+    assert len(stored) == 4 and len(layers) == 3  # and the whole network's choice
+    assert {d["algorithm"] for d in layers.values()} == {"im2col_gemm"}
     assert all(d["hardware"] and d["version"] == middleware.__version__ for d in stored.values())
 
     tuning.clear_memo()  # as a new process would start: only the file
@@ -238,10 +241,10 @@ def test_the_cache_command_lists_and_clears_the_decisions(monkeypatch, tmp_path,
     _optimize(tmp_path)
     assert main(["cache", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "3 tuning decision(s)" in out
+    assert "4 tuning decision(s)" in out and " network " in out  # 3 layers, 1 network
     assert "conv2d 2x16x12x10 -> 2x16x12x10 w 16x16x3x3 float32 nhwc: im2col_gemm" in out
     assert main(["cache", "--cache-dir", str(tmp_path), "--clear-tuning"]) == 0
-    assert "cleared 3 tuning decision(s)" in capsys.readouterr().out
+    assert "cleared 4 tuning decision(s)" in capsys.readouterr().out
     assert not (tmp_path / "tuning" / "decisions.json").exists()
     monkeypatch.setattr(tuning, "TIMER", _no_timing)
     with pytest.warns(UserWarning, match="was timed"):  # memo cleared too: it measures again
@@ -298,7 +301,9 @@ def test_auto_uses_the_stored_decision_per_problem_else_the_default(monkeypatch,
     path = tmp_path / "tuning" / "decisions.json"
     stored = json.loads(path.read_text())
     # forget the 1x1 conv's decision (c4: 16 -> 32 channels)
-    (one_by_one,) = [k for k, d in stored.items() if d["problem"]["weight_shape"][2:] == [1, 1]]
+    (one_by_one,) = [
+        k for k, d in stored.items() if d["problem"].get("weight_shape", [0] * 4)[2:] == [1, 1]
+    ]
     del stored[one_by_one]
     path.write_text(json.dumps(stored))
     tuning.clear_memo()  # as a new process would start: only the file
@@ -476,3 +481,147 @@ def test_a_stored_user_algorithm_is_not_the_default(monkeypatch, tmp_path, wrong
         assert "fast_user" not in {r.algorithm for r in opt.report().rows if r.op == "conv2d"}
     finally:
         middleware.unregister_algorithm("conv2d", "fast_user")
+
+
+def test_best_of_runs_before_ahead_of_every_timed_call():
+    events: list[str] = []
+
+    def timer(name, run):
+        events.append(f"time {name}")
+        return {"a": 1.0, "b": 1.1}[name]
+
+    tuning.best_of(
+        {"a": lambda: None, "b": lambda: None},
+        timer,
+        rounds=3,
+        before=lambda: events.append("before"),
+    )
+    timed = [i for i, e in enumerate(events) if e.startswith("time")]
+    assert len(timed) == 6 and all(events[i - 1] == "before" for i in timed)
+
+
+def test_cpu_tuning_times_each_candidate_with_cold_weights_and_warm_inputs(monkeypatch, tmp_path):
+    """tuned_choice evicts the private caches and reads the layer's inputs before every
+    timed call (cpu_context), as the network runs the layer: weights timed back to back
+    stay in L2 and favour the candidate with the largest transformed weights."""
+    contexts: list[tuple[int, tuple]] = []
+    calls = {"before": 0, "timed": 0}
+    real = tuning.cpu_context
+
+    def spy(nbytes, inputs):
+        contexts.append((nbytes, inputs))
+        hook = real(nbytes, inputs)
+
+        def before():
+            calls["before"] += 1
+            hook()
+
+        return before
+
+    whole = {"plans": False}
+    real_best_of = tuning.best_of
+
+    def best_of(candidates, *a, **k):  # the network-level choice times whole plans
+        whole["plans"] = "tuned" in candidates
+        return real_best_of(candidates, *a, **k)
+
+    def timer(name, run):
+        calls["timed"] += not whole["plans"]
+        return _fake_timer(name, run)
+
+    monkeypatch.setattr(tuning, "best_of", best_of)
+    monkeypatch.setattr(tuning, "cpu_context", spy)
+    monkeypatch.setattr(tuning, "TIMER", timer)
+    rows = _optimize(tmp_path)
+    assert [r.algorithm for r in rows] == ["im2col_gemm"] * 4
+    assert len(contexts) == 3  # one per distinct problem
+    hw = middleware.hardware.detect("cpu", tmp_path, measure=False)
+    for nbytes, inputs in contexts:
+        assert nbytes == hw.l2_bytes * hw.cores
+        assert isinstance(inputs[0], torch.Tensor) and inputs[0].dim() == 4
+    assert calls["before"] == calls["timed"] > 0
+
+
+def test_the_timing_method_is_part_of_the_decision_key(monkeypatch):
+    p = {"input_shape": (1, 16, 8, 8)}
+    k = tuning.decision_key(p, ["vendor"], "cpu:x:2")
+    monkeypatch.setattr(tuning, "METHOD", "back-to-back")
+    assert k != tuning.decision_key(p, ["vendor"], "cpu:x:2")
+
+
+NETWORK_TIMES = {"tuned": 5.0, "default": 1.0}
+
+
+def _network_timer(name, run):
+    """Layer candidates as FAKE_TIMES; whole plans: the per-layer tuned plan slower than
+    the default's, as on a network whose isolated layer timings mislead."""
+    run()
+    return NETWORK_TIMES.get(name, FAKE_TIMES.get(name, 3.0))
+
+
+def _optimize_network(tmp_path, sel):
+    m = _ns["make"]()
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 12, 10)
+    opt = middleware.optimize(
+        m, example_inputs=[x], cache_dir=tmp_path, measure_hardware=False,
+        algorithms={"conv2d": sel},
+    )  # fmt: skip
+    with torch.inference_mode():
+        ref = m(x)
+    _close(opt(x), ref)
+    return opt.report()
+
+
+def test_autotune_keeps_the_faster_whole_plan_and_stores_the_choice(monkeypatch, tmp_path):
+    timed: list[list[str]] = []
+    real_best_of = tuning.best_of
+
+    def recording_best_of(candidates, *a, **k):
+        timed.append(sorted(candidates))
+        return real_best_of(candidates, *a, **k)
+
+    monkeypatch.setattr(tuning, "best_of", recording_best_of)
+    monkeypatch.setattr(tuning, "TIMER", _network_timer)
+    report = _optimize_network(tmp_path, "autotune")
+    # per layer im2col_gemm wins; as a whole the default's plan does, so it runs
+    assert ["default", "tuned"] in timed
+    assert [r.algorithm for r in report.rows if r.op == "conv2d"] != ["im2col_gemm"] * 4
+    note = next(n for n in report.notes if n.startswith("network-level choice"))
+    assert "default best of 2 plans" in note and "same plan: im2col_gemm = tuned" in note
+    winner = [r.algorithm for r in report.rows if r.op == "conv2d"]
+
+    # a new process (the memo cleared), autotune or auto: the stored winner, nothing timed
+    for sel in ("autotune", "auto"):
+        tuning.clear_memo()
+        monkeypatch.setattr(tuning, "TIMER", _no_timing)
+        timed.clear()
+        again = _optimize_network(tmp_path, sel)
+        assert timed == [] and [r.algorithm for r in again.rows if r.op == "conv2d"] == winner
+        assert any("network-level choice: cached; default best of" in n for n in again.notes)
+
+
+def test_autotune_keeps_the_tuned_plan_when_it_is_faster_as_a_whole(monkeypatch, tmp_path):
+    monkeypatch.setattr(tuning, "TIMER", _network_timer)
+    monkeypatch.setitem(NETWORK_TIMES, "tuned", 0.5)
+    report = _optimize_network(tmp_path, "autotune")
+    assert [r.algorithm for r in report.rows if r.op == "conv2d"] == ["im2col_gemm"] * 4
+    assert any("network-level choice: tuned best of 2 plans" in n for n in report.notes)
+
+
+def test_static_choices_far_from_the_tuned_estimate_are_not_built(monkeypatch, tmp_path):
+    from middleware import pipeline
+
+    built: list[str] = []
+    real = pipeline._conv_selection
+
+    def spy(options, name):
+        built.append(name)
+        return real(options, name)
+
+    monkeypatch.setattr(pipeline, "_conv_selection", spy)
+    monkeypatch.setattr(tuning, "TIMER", _network_timer)
+    _optimize_network(tmp_path, "autotune")
+    # vendor (2x im2col_gemm's layer times) and winograd_f4x4 (10x) are beyond the margin
+    assert built[0] == "default" and "vendor" not in built and "winograd_f4x4" not in built
+    assert "im2col_gemm" in built

@@ -596,7 +596,9 @@ def over_cap(algorithm: Algorithm, graph: Graph, node: Node, options: Options) -
     extra = int(algorithm.extra_bytes(graph, node))
     if extra <= cap:
         return None
-    return f"{extra / 2**20:.2f} MiB extra memory over max_extra_param_bytes ({cap / 2**20:.2f} MiB)"
+    return (
+        f"{extra / 2**20:.2f} MiB extra memory over max_extra_param_bytes ({cap / 2**20:.2f} MiB)"
+    )
 
 
 def _usable(
@@ -853,6 +855,22 @@ def auto_choice(
     return Choice(fallback.fn, fallback.algorithm, f"auto: {why}; {rule}")
 
 
+_TIME = re.compile(r"([A-Za-z_][\w]*) ([0-9.]+(?:e[+-]?\d+)?) ms")
+
+
+def candidate_times(reason: str) -> dict[str, float]:
+    """Candidate -> milliseconds, read back from a report row's reason as
+    :func:`tuned_choice` writes it ("tuned: X best of N: a 0.38 ms, b 0.49 ms (pruned
+    after round 2)"; "tuned: cached; X best of N: ..."); {} for a row that was not timed."""
+    tail = (
+        reason.split(" best of ", 1)[1]
+        if reason.startswith("tuned:") and " best of " in reason
+        else ""
+    )
+    tail = tail.split("; ", 1)[0]  # rejected candidates follow
+    return {m.group(1): float(m.group(2)) for m in _TIME.finditer(tail)}
+
+
 def tuned_choice(
     graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
 ) -> Choice | None:
@@ -929,7 +947,12 @@ def tuned_choice(
 
         return run
 
-    outcome = tuning.best_of({n: call(fn) for n, fn in built.items()})
+    before = (
+        tuning.cpu_context(hardware.l2_bytes * hardware.cores, args)
+        if device.type == "cpu"
+        else None
+    )
+    outcome = tuning.best_of({n: call(fn) for n, fn in built.items()}, before=before)
     sess.tuned(time.perf_counter() - started, node.name)
     times = ", ".join(
         f"{n} {t * 1e3:.3g} ms"
