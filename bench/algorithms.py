@@ -177,6 +177,10 @@ def interleaved(
     return times
 
 
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def conv_rows(opt: Any) -> list[Any]:
     return [r for r in opt.report().rows if r.op == "conv2d"]
 
@@ -254,7 +258,7 @@ def measure(net: str, batch: int, args: argparse.Namespace, scratch: Path, per_l
     err = {k: max_rel_err(fn(), ref) for k, fn in fns.items()}
     rng = random.Random(f"{net}-{batch}")
     rounds = interleaved(fns, args.warmup, args.repeat, rng)
-    ms = {k: statistics.median(v) for k, v in rounds.items()}
+    ms = medians(rounds)
     picks = {k: picks_of(o) for k, o in opts.items()}
     plans = {k: {r.node: r.algorithm or "generated" for r in conv_rows(o)} for k, o in opts.items()}
     extra = {k: sum(r.extra_bytes for r in conv_rows(o)) for k, o in opts.items()}
@@ -532,7 +536,7 @@ def layers_table(args: argparse.Namespace, cache: Path) -> str:
                     fns[name] = lambda fn=fn, x=x: fn(*x)
                     extra[name] = a.extra_bytes(g, node)
             with torch.inference_mode():
-                ms = interleaved(fns, args.warmup, args.repeat, rng)
+                ms = medians(interleaved(fns, args.warmup, args.repeat, rng))
             cells = " | ".join(f"{ms[a]:.2f}" if a in ms else "-" for a in LAYER_ALGORITHMS)
             lines.append(
                 f"| {c}->{k} @ {hw_px}x{hw_px} | {b} | {cells} | "
@@ -644,7 +648,7 @@ def net_layers_table(args: argparse.Namespace, cache: Path) -> str:
                         raise SystemExit(f"{net} {layers[0]}: {name} error {err:.1e}")
                     fns[name] = lambda fn=fn, x=x: fn(*x)
                 with torch.inference_mode():
-                    ms = interleaved(fns, args.warmup, args.repeat, rng)
+                    ms = medians(interleaved(fns, args.warmup, args.repeat, rng))
                 best = min(ms, key=ms.__getitem__)
                 for name in names:
                     tot[name] += len(layers) * ms.get(name, ms["vendor"])
@@ -734,7 +738,7 @@ def linear_table(args: argparse.Namespace, cache: Path) -> str:
                     raise SystemExit(f"linear {in_f}->{out_f} rows {rows}: {name} error {err}")
                 fns[name] = lambda fn=fn, x=x: fn(*x)
             with torch.inference_mode():
-                ms = interleaved(fns, args.warmup, args.repeat, rng)
+                ms = medians(interleaved(fns, args.warmup, args.repeat, rng))
             gb = in_f * out_f * 4 / 1e9
             lines.append(
                 f"| {in_f} -> {out_f} | {rows} | {ms['vendor']:.3f} | {ms['gemv']:.3f} | "

@@ -31,7 +31,8 @@ product for up to 8 rows, the weight read once and in place; exact).
 :func:`choose` picks one algorithm per layer from ``Options.algorithms`` (a string, a
 list by layer index, or a callable on a :class:`Layer`; "default" lets the middleware
 decide; with no selection at all, a layer takes the stored tuning decision for its problem
-where one exists, :func:`_stored_choice`; "autotune" measures every usable one, :func:`tuned_choice` and ``tuning.py``;
+where one exists, :func:`_stored_choice`; "autotune" measures every usable one, :func:`tuned_choice` and ``tuning.py``,
+after which ``pipeline.network_choice`` chooses the network's plan as a whole;
 "auto" takes the stored tuning decision for the layer's problem size where one exists,
 else the default, :func:`auto_choice`); a
 named algorithm that does not apply, or whose extra bytes exceed
