@@ -36,11 +36,13 @@ from .version import __version__
 
 def compile_model(model: nn.Module, inputs: Sequence[torch.Tensor], options: Options) -> Compiled:
     """Trace ``model`` on ``inputs``, run the passes and build the plan for this signature
-    (``algorithms={"conv2d": "autotune"}`` or ``"auto"`` on the CPU: the network's plan
-    chosen as a whole too, :func:`network_choice`)."""
+    (``algorithms={"conv2d": "autotune"}`` or ``"auto"`` on a backend that
+    ``tunes_whole_plans``: the network's plan chosen as a whole too,
+    :func:`network_choice`)."""
     graph = trace(model, inputs)
     sel = dict(options.algorithms).get("conv2d")
-    if sel in (AUTOTUNE, AUTO) and torch.device(options.device).type == "cpu":
+    backend = backend_for(torch.device(options.device))
+    if sel in (AUTOTUNE, AUTO) and getattr(backend, "tunes_whole_plans", False):
         return network_choice(model, graph, inputs, options, sel)
     return compile_graph(graph, options, inputs)
 

@@ -152,6 +152,9 @@ class Backend(Protocol):
     ``torch.device`` type it runs on ("cpu", "cuda"). ``slices_batch``: whether
     ``Options(batch_chunk="auto")`` may run a network's prefix over slices of the batch
     on this device (the batch-slicing pass asks; a number of samples always slices).
+    Optional ``tunes_whole_plans`` (False when absent): whether conv2d "autotune"/"auto"
+    also choose the network's plan as a whole (``pipeline.network_choice``: the CPU, where
+    whole plans are timed on the host).
     """
 
     name: str

@@ -26,6 +26,7 @@ class CpuBackend(X86Backend):
 
     device_type = "cpu"
     slices_batch = True  # batch slicing pays on CPU caches (runtime/chunked.py)
+    tunes_whole_plans = True  # pipeline.network_choice
 
     def check_runtime(self) -> None:
         """A CPU plan needs nothing beyond PyTorch (the C compiler is checked per kernel:
