@@ -65,29 +65,38 @@ def network_choice(
     """The plan of ``sel`` ("autotune" or "auto") for conv2d, chosen as a whole as well as
     per layer. Per-layer tuning times each layer alone; inside the network a layer's
     neighbours share its caches and threads, so the per-layer picks can add up to a plan
-    slower than one algorithm everywhere (measured: resnet50 at batch 16, 10% slower than
+    slower than one algorithm everywhere (measured: resnet50 at batch 16, 5% slower than
     Winograd F(4x4) on every layer it applies to). So "autotune" also builds the default
-    plan and every built-in static choice (one algorithm for every conv2d layer it applies
-    to) whose layers' tuned times add up to within ``NETWORK_MARGIN`` of the tuned plan's,
+    plan and, per built-in algorithm, the plan running it on every layer where it was a
+    checked, timed candidate (the tuned pick elsewhere: an approximate algorithm rejected
+    on a layer for its error stays off it) whose layers' tuned times add up to within
+    ``NETWORK_MARGIN`` of the tuned plan's; runs each once (one that fails is dropped),
     times the distinct plans on the real inputs (:func:`tuning.best_of`'s rounds) and keeps
-    the fastest. The decision is stored like a layer's (``tuning/decisions.json``, keyed by
-    the traced graph's text, the inputs' shapes, the hardware and the version): a second
-    process, and "auto", build the stored winner and time nothing; "auto" without one is
-    the per-layer stored decisions, else the default. Where the layers' tuning spent
-    ``tune_budget_s``, nothing more is timed."""
+    the fastest. The decision, with the winner's algorithm per layer, is stored like a
+    layer's (``tuning/decisions.json``, keyed by the traced graph's text, the inputs'
+    shapes, ``winograd``, the hardware and the version): a second process, and "auto",
+    build the stored plan and time nothing; "auto" without one is the per-layer stored
+    decisions, else the default. A graph without conv2d, or whose layers' tuning spent
+    ``tune_budget_s``, gets no network-level timing."""
+    if not any(n.op == "conv2d" for n in graph.nodes()):
+        return compile_graph(graph, options, inputs)
     hardware = for_options(options)
     statics = [n for n, a in ALGORITHMS["conv2d"].items() if a.builtin]
     problem = {
         "network": hashlib.sha256(graph.text().encode()).hexdigest(),
         "inputs": [tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)],
+        "winograd": options.winograd,  # off: no approximate algorithm from a stored plan
     }
     key = tuning.decision_key(problem, [TUNED, DEFAULT, *statics], hardware.key())
     store = tuning.DecisionStore(options.cache_dir)
     record, whence = store.get(key)
     if record is not None:
-        won = record["algorithm"]
+        won, mapping = record["algorithm"], record.get("plan")
+        # the tuned plan: the layers' own stored decisions (each row says so); a static
+        # one: its algorithm per layer as stored
+        name = sel if won == TUNED else DEFAULT
         compiled = compile_graph(
-            graph, _conv_selection(options, sel if won == TUNED else won), inputs
+            graph, _conv_selection(options, name, None if won == TUNED else mapping), inputs
         )
         how = "cached" if whence == "cached" else "same network tuned before"
         return _noted(compiled, f"network-level choice: {how}; {record['summary']}")
@@ -102,28 +111,44 @@ def network_choice(
             f"network-level choice: not made: the tuning budget (tune_budget_s={budget:g}) "
             "was spent on the layers; the per-layer plan runs",
         )
-    estimates = _estimates(tuned, statics)
-    best_estimate = estimates.pop(TUNED, 0.0)
+    times = {r.node: candidate_times(r.reason) for r in tuned.report.rows if r.op == "conv2d"}
+    picks = {n: a for n, a in _conv_plan(tuned) if a}
+    # a static choice: the algorithm on every layer where it was a checked, timed candidate
+    # (an approximate one beyond its error bound on a layer was rejected there, and never
+    # appears in its times), the tuned pick elsewhere
+    mappings: dict[str, dict[str, str] | None] = {TUNED: picks, DEFAULT: None}
+    estimate = {TUNED: sum(t[picks[n]] for n, t in times.items() if picks[n] in t)}
+    for s in statics:
+        if any(s in t for t in times.values()):
+            mappings[s] = {n: s if s in times[n] else a for n, a in picks.items()}
+            estimate[s] = sum(
+                t[mappings[s][n]] for n, t in times.items() if mappings[s][n] in t
+            )  # fmt: skip
     built: dict[str, Compiled] = {TUNED: tuned}
     plans = {TUNED: _conv_plan(tuned)}
-    wanted = [DEFAULT] + [
-        s for s, est in sorted(estimates.items(), key=lambda kv: kv[1])
-        if est <= NETWORK_MARGIN * best_estimate
-    ]  # fmt: skip
     same: dict[str, str] = {}
-    for name in wanted:
-        try:
-            compiled = compile_graph(trace(model, inputs), _conv_selection(options, name), inputs)
-        except Exception:  # noqa: BLE001 - a candidate that fails to build is not one
+    for name, mapping in mappings.items():
+        if name == TUNED or estimate.get(name, 0.0) > NETWORK_MARGIN * estimate[TUNED]:
             continue
-        if compiled.plan is None:
+        if mapping is not None and mapping == picks:
+            same[name] = TUNED
+            continue
+        try:
+            compiled = compile_graph(
+                trace(model, inputs), _conv_selection(options, name, mapping), inputs
+            )
+            if compiled.plan is None:
+                continue
+            _runner(compiled, inputs)()  # a plan that fails to run is not a candidate
+        except Exception:  # noqa: BLE001 - a candidate that fails is not one
             continue
         plan = _conv_plan(compiled)
         twin = next((k for k, p in plans.items() if p == plan), None)
         if twin is not None:
             same[name] = twin
-            continue
-        built[name], plans[name] = compiled, plan
+        else:
+            built[name], plans[name] = compiled, plan
+        del compiled
     if len(built) == 1:
         won, summary = TUNED, "the per-layer tuned plan (no other plan within reach)"
     else:
@@ -133,16 +158,17 @@ def network_choice(
             pruning_speedup=NETWORK_PRUNING_SPEEDUP,
         )
         won = outcome.best
-        times = ", ".join(
+        ms = ", ".join(
             f"{n} {t * 1e3:.3g} ms" for n, t in sorted(outcome.times.items(), key=lambda p: p[1])
         )
-        summary = f"{won} best of {len(built)} plans: {times}"
+        summary = f"{won} best of {len(built)} plans: {ms}"
     if same:
         summary += "; same plan: " + ", ".join(f"{k} = {v}" for k, v in same.items())
     store.put(
         key,
         {
             "algorithm": won,
+            "plan": None if won == DEFAULT else dict(plans[won]),
             "summary": summary,
             "problem": problem,
             "hardware": hardware.key(),
@@ -155,30 +181,20 @@ def network_choice(
     return _noted(winner, f"network-level choice: {summary}")
 
 
-def _conv_selection(options: Options, name: str) -> Options:
+def _conv_selection(options: Options, name: str, mapping: dict[str, str] | None = None) -> Options:
+    """``options`` with conv2d's selection replaced: ``name``, or with ``mapping`` (conv2d
+    node -> algorithm) each layer's algorithm by its node name."""
     pairs = dict(options.algorithms)
-    pairs["conv2d"] = name
+    if mapping is None:
+        pairs["conv2d"] = name
+    else:
+        table = dict(mapping)
+        pairs["conv2d"] = lambda layer: table.get(layer.name) or DEFAULT
     return dataclasses.replace(options, algorithms=tuple(pairs.items()))
 
 
 def _conv_plan(compiled: Compiled) -> tuple[tuple[str, str], ...]:
     return tuple((r.node, r.algorithm) for r in compiled.report.rows if r.op == "conv2d")
-
-
-def _estimates(tuned: Compiled, statics: Sequence[str]) -> dict[str, float]:
-    """Sum over the tuned conv2d layers of each static choice's tuned time (the tuned pick's
-    where it was not a candidate), and of the tuned picks' (``TUNED``)."""
-    out = dict.fromkeys([TUNED, *statics], 0.0)
-    seen = dict.fromkeys(statics, False)
-    for r in tuned.report.rows:
-        t = candidate_times(r.reason) if r.op == "conv2d" else {}
-        if r.algorithm not in t:
-            continue
-        out[TUNED] += t[r.algorithm]
-        for s in statics:
-            out[s] += t.get(s, t[r.algorithm])
-            seen[s] |= s in t
-    return {k: v for k, v in out.items() if k == TUNED or seen[k]}
 
 
 def _runner(compiled: Compiled, inputs: Sequence[torch.Tensor]) -> Any:

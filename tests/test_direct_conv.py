@@ -62,8 +62,10 @@ def geometries(draw):
     h = draw(st.integers(max(1, min_h), max(1, min_h) + 12))
     w = draw(st.integers(max(1, min_w), max(1, min_w) + 19))
     n = draw(st.sampled_from([1, 5]))
-    return (n, c, h, w), (k, c // groups, k_h, k_w), dict(
-        stride=stride, padding=padding, dilation=dilation, groups=groups
+    return (
+        (n, c, h, w),
+        (k, c // groups, k_h, k_w),
+        dict(stride=stride, padding=padding, dilation=dilation, groups=groups),
     )
 
 

@@ -948,8 +948,10 @@ def tuned_choice(
 
         return run
 
+    # the activations only: the weights are to come from beyond L2, as in the network
+    activations = tuple(a for a, v in zip(args, node.inputs, strict=True) if v not in graph.params)
     before = (
-        tuning.cpu_context(hardware.l2_bytes * hardware.cores, args)
+        tuning.cpu_context(hardware.l2_bytes * hardware.cores, activations)
         if device.type == "cpu"
         else None
     )

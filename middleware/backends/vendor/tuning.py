@@ -106,25 +106,20 @@ def best_of(
     return Outcome(winner, best, pruned, done)
 
 
-# Scratch written before each timed call on the CPU (:func:`cpu_context`), by size.
-_SCRATCH: dict[int, Any] = {}
-
-
 def cpu_context(private_cache_bytes: int, inputs: tuple[Any, ...]) -> Callable[[], None]:
     """A ``before`` hook for :func:`best_of` that puts the caches in the state a layer
     meets inside the network: twice ``private_cache_bytes`` (every core's L2) of scratch
     written, so that the candidate's weights, transformed weights and workspaces come from
     the shared cache or memory, as they do when the layers before it ran in between; then
-    the layer's inputs read, as the layer before it just wrote them. Timed back to back
+    the layer's activation inputs read, as the layer before it just wrote them (give the
+    activations only: the weights are to stay beyond L2). The scratch lives as long as the
+    hook. Timed back to back
     instead, a candidate whose transformed weights fit in L2 (Winograd F(4x4)'s, 4x the
     layer's) looked faster than it is in the network: googlenet at batch 16 tuned
     that way ran 19% slower than Winograd F(2x2) on every layer it applies to."""
     import torch
 
-    n = max(1, 2 * private_cache_bytes // 4)
-    scratch = _SCRATCH.get(n)
-    if scratch is None:
-        scratch = _SCRATCH[n] = torch.empty(n)
+    scratch = torch.empty(max(1, 2 * private_cache_bytes // 4))
     tensors = [a for a in inputs if isinstance(a, torch.Tensor)]
 
     def before() -> None:
