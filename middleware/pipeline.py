@@ -68,8 +68,9 @@ def network_choice(
     slower than one algorithm everywhere (measured: resnet50 at batch 16, 5% slower than
     Winograd F(4x4) on every layer it applies to). So "autotune" also builds the default
     plan and, per built-in algorithm, the plan running it on every layer where it was a
-    checked, timed candidate (the tuned pick elsewhere: an approximate algorithm rejected
-    on a layer for its error stays off it) whose layers' tuned times add up to within
+    checked, timed candidate (the default's choice elsewhere, as when one algorithm is named
+    for every layer; an approximate algorithm rejected on a layer for its error stays off
+    it) whose layers' tuned times add up to within
     ``NETWORK_MARGIN`` of the tuned plan's; runs each once (one that fails is dropped),
     times the distinct plans on the real inputs (:func:`tuning.best_of`'s rounds) and keeps
     the fastest. The decision, with the winner's algorithm per layer, is stored like a
@@ -113,42 +114,46 @@ def network_choice(
         )
     times = {r.node: candidate_times(r.reason) for r in tuned.report.rows if r.op == "conv2d"}
     picks = {n: a for n, a in _conv_plan(tuned) if a}
-    # a static choice: the algorithm on every layer where it was a checked, timed candidate
-    # (an approximate one beyond its error bound on a layer was rejected there, and never
-    # appears in its times), the tuned pick elsewhere
-    mappings: dict[str, dict[str, str] | None] = {TUNED: picks, DEFAULT: None}
-    estimate = {TUNED: sum(t[picks[n]] for n, t in times.items() if picks[n] in t)}
-    for s in statics:
-        if any(s in t for t in times.values()):
-            mappings[s] = {n: s if s in times[n] else a for n, a in picks.items()}
-            estimate[s] = sum(
-                t[mappings[s][n]] for n, t in times.items() if mappings[s][n] in t
-            )  # fmt: skip
     built: dict[str, Compiled] = {TUNED: tuned}
     plans = {TUNED: _conv_plan(tuned)}
     same: dict[str, str] = {}
-    for name, mapping in mappings.items():
-        if name == TUNED or estimate.get(name, 0.0) > NETWORK_MARGIN * estimate[TUNED]:
-            continue
-        if mapping is not None and mapping == picks:
-            same[name] = TUNED
-            continue
+
+    def add(name: str, mapping: dict[str, str] | None) -> None:
         try:
             compiled = compile_graph(
                 trace(model, inputs), _conv_selection(options, name, mapping), inputs
             )
             if compiled.plan is None:
-                continue
+                return
             _runner(compiled, inputs)()  # a plan that fails to run is not a candidate
         except Exception:  # noqa: BLE001 - a candidate that fails is not one
-            continue
+            return
         plan = _conv_plan(compiled)
         twin = next((k for k, p in plans.items() if p == plan), None)
         if twin is not None:
             same[name] = twin
         else:
             built[name], plans[name] = compiled, plan
-        del compiled
+
+    add(DEFAULT, None)
+    # a static choice: the algorithm on every layer where it was a checked, timed candidate
+    # (an approximate one beyond its error bound on a layer was rejected there, and never
+    # appears in its times), the default's choice elsewhere (as one algorithm named for
+    # every layer runs)
+    fallback = {n: a for n, a in plans.get(DEFAULT, plans[TUNED]) if a}
+    estimate = {TUNED: sum(t[picks[n]] for n, t in times.items() if picks.get(n) in t)}
+    for s in statics:
+        if not any(s in t for t in times.values()):
+            continue
+        mapping = {n: s if s in times.get(n, {}) else fallback.get(n, a) for n, a in picks.items()}
+        est = sum(t[mapping[n]] if mapping[n] in t else t[picks[n]] for n, t in times.items()
+                  if picks.get(n) in t)  # fmt: skip
+        if est > NETWORK_MARGIN * estimate[TUNED]:
+            continue
+        if mapping == picks:
+            same[s] = TUNED
+            continue
+        add(s, mapping)
     if len(built) == 1:
         won, summary = TUNED, "the per-layer tuned plan (no other plan within reach)"
     else:
