@@ -141,14 +141,14 @@ def network_choice(
     # appears in its times), the default's choice elsewhere (as one algorithm named for
     # every layer runs)
     fallback = {n: a for n, a in plans.get(DEFAULT, plans[TUNED]) if a}
-    estimate = {TUNED: sum(t[picks[n]] for n, t in times.items() if picks.get(n) in t)}
+    tuned_ms = sum(t[picks[n]] for n, t in times.items() if picks.get(n) in t)
     for s in statics:
         if not any(s in t for t in times.values()):
             continue
         mapping = {n: s if s in times.get(n, {}) else fallback.get(n, a) for n, a in picks.items()}
         est = sum(t[mapping[n]] if mapping[n] in t else t[picks[n]] for n, t in times.items()
                   if picks.get(n) in t)  # fmt: skip
-        if est > NETWORK_MARGIN * estimate[TUNED]:
+        if est > NETWORK_MARGIN * tuned_ms:
             continue
         if mapping == picks:
             same[s] = TUNED

@@ -265,7 +265,9 @@ def test_autotune_respects_the_memory_cap(monkeypatch, tmp_path):
     assert {r.algorithm for r in opt.report().rows if r.op == "conv2d"} == {"vendor"}
 
 
-def _optimize_with(tmp_path, selector):
+def _optimized_report(tmp_path, selector):
+    """The test model optimized with ``selector`` for conv2d, checked against the
+    original; its report."""
     m = _ns["make"]()
     torch.manual_seed(1)
     x = torch.randn(2, 3, 12, 10)
@@ -275,7 +277,11 @@ def _optimize_with(tmp_path, selector):
     )  # fmt: skip
     with torch.inference_mode():
         _close(opt(x), m(x))
-    return [r for r in opt.report().rows if r.op == "conv2d"]
+    return opt.report()
+
+
+def _optimize_with(tmp_path, selector):
+    return [r for r in _optimized_report(tmp_path, selector).rows if r.op == "conv2d"]
 
 
 def test_auto_without_stored_decisions_is_the_default_and_times_nothing(monkeypatch, tmp_path):
@@ -561,20 +567,6 @@ def _network_timer(name, run):
     return NETWORK_TIMES.get(name, FAKE_TIMES.get(name, 3.0))
 
 
-def _optimize_network(tmp_path, sel):
-    m = _ns["make"]()
-    torch.manual_seed(1)
-    x = torch.randn(2, 3, 12, 10)
-    opt = middleware.optimize(
-        m, example_inputs=[x], cache_dir=tmp_path, measure_hardware=False,
-        algorithms={"conv2d": sel},
-    )  # fmt: skip
-    with torch.inference_mode():
-        ref = m(x)
-    _close(opt(x), ref)
-    return opt.report()
-
-
 def test_autotune_keeps_the_faster_whole_plan_and_stores_the_choice(monkeypatch, tmp_path):
     timed: list[list[str]] = []
     real_best_of = tuning.best_of
@@ -585,7 +577,7 @@ def test_autotune_keeps_the_faster_whole_plan_and_stores_the_choice(monkeypatch,
 
     monkeypatch.setattr(tuning, "best_of", recording_best_of)
     monkeypatch.setattr(tuning, "TIMER", _network_timer)
-    report = _optimize_network(tmp_path, "autotune")
+    report = _optimized_report(tmp_path, "autotune")
     # per layer im2col_gemm wins; as a whole the default's plan does, so it runs
     assert ["default", "tuned"] in timed
     assert [r.algorithm for r in report.rows if r.op == "conv2d"] != ["im2col_gemm"] * 4
@@ -598,7 +590,7 @@ def test_autotune_keeps_the_faster_whole_plan_and_stores_the_choice(monkeypatch,
         tuning.clear_memo()
         monkeypatch.setattr(tuning, "TIMER", _no_timing)
         timed.clear()
-        again = _optimize_network(tmp_path, sel)
+        again = _optimized_report(tmp_path, sel)
         assert timed == [] and [r.algorithm for r in again.rows if r.op == "conv2d"] == winner
         assert any("network-level choice: cached; default best of" in n for n in again.notes)
 
@@ -606,7 +598,7 @@ def test_autotune_keeps_the_faster_whole_plan_and_stores_the_choice(monkeypatch,
 def test_autotune_keeps_the_tuned_plan_when_it_is_faster_as_a_whole(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "TIMER", _network_timer)
     monkeypatch.setitem(NETWORK_TIMES, "tuned", 0.5)
-    report = _optimize_network(tmp_path, "autotune")
+    report = _optimized_report(tmp_path, "autotune")
     assert [r.algorithm for r in report.rows if r.op == "conv2d"] == ["im2col_gemm"] * 4
     assert any("network-level choice: tuned best of 2 plans" in n for n in report.notes)
 
@@ -623,7 +615,7 @@ def test_static_choices_far_from_the_tuned_estimate_are_not_built(monkeypatch, t
 
     monkeypatch.setattr(pipeline, "_conv_selection", spy)
     monkeypatch.setattr(tuning, "TIMER", _network_timer)
-    _optimize_network(tmp_path, "autotune")
+    _optimized_report(tmp_path, "autotune")
     # vendor (2x im2col_gemm's layer times) and winograd_f4x4 (10x) are beyond the margin;
     # im2col_gemm everywhere is the tuned plan itself (not built again)
     assert built == ["default"]
@@ -639,7 +631,7 @@ def test_a_static_candidate_keeps_an_approximate_algorithm_off_the_layers_it_fai
     monkeypatch.setitem(NETWORK_TIMES, "winograd_f4x4", 0.1)  # and the fastest plan
     strict = dataclasses.replace(alg.WINOGRAD_F4X4, error_bound=0.0)  # rejected everywhere
     monkeypatch.setitem(alg.ALGORITHMS["conv2d"], "winograd_f4x4", strict)
-    report = _optimize_network(tmp_path, "autotune")
+    report = _optimized_report(tmp_path, "autotune")
     rows = [r for r in report.rows if r.op == "conv2d"]
     assert "winograd_f4x4" not in [r.algorithm for r in rows]
     # rejected on every layer: no layer of any candidate plan runs it
@@ -676,14 +668,14 @@ def test_a_candidate_plan_that_fails_to_run_is_dropped(monkeypatch, tmp_path):
 
     monkeypatch.setattr(pipeline, "_runner", runner)
     monkeypatch.setattr(tuning, "TIMER", _network_timer)
-    report = _optimize_network(tmp_path, "autotune")  # the default plan (vendor) fails
+    report = _optimized_report(tmp_path, "autotune")  # the default plan (vendor) fails
     assert [r.algorithm for r in report.rows if r.op == "conv2d"] == ["im2col_gemm"] * 4
     assert any("network-level choice: the per-layer tuned plan" in n for n in report.notes)
 
 
 def test_winograd_off_is_part_of_the_network_decision(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "TIMER", _network_timer)
-    _optimize_network(tmp_path, "autotune")
+    _optimized_report(tmp_path, "autotune")
     stored = json.loads((tmp_path / "tuning" / "decisions.json").read_text())
     (net,) = [d for d in stored.values() if "network" in d["problem"]]
     assert net["problem"]["winograd"] is True and net["plan"] is None  # the default won
