@@ -215,20 +215,43 @@ def _pool_graph(
     return build_chain(shape, layout, [*steps, pool])
 
 
-def _run_pool(g, layout: str, shape, tmp_path, seed: int, stream: bool) -> str:  # noqa: ANN001
+def _pool_input(shape: tuple[int, ...], seed: int, specials: str) -> torch.Tensor:
+    """``dense``: about 9% NaN and +-inf (every window row has one: the exact forms);
+    ``none``: finite values (the fast forms: channels_last's register ring); ``one``: a
+    single NaN, an inf and a -inf (one row of each image exact, the rest fast)."""
+    if specials == "dense":
+        return with_specials(shape, seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    if specials == "one":
+        flat = x.view(-1)
+        where = torch.randint(0, flat.numel(), (3,), generator=gen)
+        flat[where] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    return x
+
+
+def _run_pool(
+    g,  # noqa: ANN001
+    layout: str,
+    shape,  # noqa: ANN001
+    tmp_path,  # noqa: ANN001
+    seed: int,
+    stream: bool,
+    specials: str = "dense",
+) -> str:
     """Renders ``g`` as one kernel (``stream``: every output stored non-temporally where
-    the loop allows), checks it against PyTorch on inputs with NaN and +-inf, and returns
-    the generated source."""
+    the loop allows), checks it against PyTorch on inputs with ``specials`` (see
+    :func:`_pool_input`), and returns the generated source."""
     s = X86Backend().schedule(g, [n.name for n in g.nodes()], hardware())
     src = render_c(s, stream_min_bytes=0 if stream else float("inf"))
     fn = getattr(ctypes.CDLL(str(build_c(s.name, src, tmp_path).binary)), s.name)
     fn.restype, fn.argtypes = None, [ctypes.c_void_p] * 2
     mf = torch.channels_last if layout == "nhwc" else torch.contiguous_format
-    x = with_specials(shape, seed=seed).contiguous(memory_format=mf)
+    x = _pool_input(shape, seed, specials).contiguous(memory_format=mf)
     ref = g.evaluate(x)
     out = torch.empty(ref.shape).contiguous(memory_format=mf)
     fn(x.data_ptr(), out.data_ptr())
-    assert_matches(out, ref, f"{layout} {shape} {list(g.nodes())[-1].attrs}")
+    assert_matches(out, ref, f"{layout} {shape} {list(g.nodes())[-1].attrs} {specials}")
     return src
 
 
@@ -250,13 +273,14 @@ def _pool_case(draw):  # noqa: ANN001, ANN202
         pool = avgpool(k, s, p, ceil=ceil, cip=draw(st.booleans()))
     else:
         pool = maxpool(k, s, p, d, ceil)
-    return layout, (n, c, h, w), pool, draw(st.booleans()), draw(st.booleans())
+    specials = draw(st.sampled_from(("dense", "none", "one")))
+    return layout, (n, c, h, w), pool, draw(st.booleans()), draw(st.booleans()), specials
 
 
 def _check_pool_case(case, tmp_path) -> None:  # noqa: ANN001
-    layout, shape, pool, producer, stream = case
+    layout, shape, pool, producer, stream, specials = case
     g = _pool_graph(layout, shape, pool, producer)
-    _run_pool(g, layout, shape, tmp_path, seed=sum(shape), stream=stream)
+    _run_pool(g, layout, shape, tmp_path, seed=sum(shape), stream=stream, specials=specials)
 
 
 @settings(
@@ -279,27 +303,62 @@ def test_window_passes_match_pytorch_many(case, tmp_path) -> None:  # noqa: ANN0
     _check_pool_case(case, tmp_path)
 
 
-# (layout, shape, pool, what the source must contain): each form of window.py taken
+# (layout, shape, pool, BN -> ReLU before it, what the source must contain): each form of
+# window.py taken
 WINDOW_FORMS = [
     # NCHW rows, stride 2, staged plane with non-temporal stores
-    ("nchw", (5, 17, 23, 37), maxpool(3, 2, 1), ("wrow0_", "wout0_", "_mm512_stream_ps")),
-    ("nchw", (5, 3, 23, 37), avgpool(3, 2, 1, cip=False), ("wrow0_", "wout0_", "wdiv0_")),
+    ("nchw", (5, 17, 23, 37), maxpool(3, 2, 1), True, ("wrow0_", "wout0_", "_mm512_stream_ps")),
+    ("nchw", (5, 3, 23, 37), avgpool(3, 2, 1, cip=False), True, ("wrow0_", "wout0_", "wdiv0_")),
     # NCHW flat plane (stride 1, 33 >= 16 columns): both passes in registers, column taps
     # shifted by valignd, lanes from mask tables; non-temporal stores
-    ("nchw", (5, 17, 19, 33), maxpool(3, 1, 1), ("wrow0_c0_", "alignr", "_mm512_stream_ps")),
-    ("nchw", (5, 3, 19, 33), avgpool(3, 1, 1, cip=False), ("wrow0_r0_", "alignr", "wdiv0_")),
-    # channels_last rows, 17 channels (a masked last chunk)
-    ("nhwc", (5, 17, 23, 37), maxpool(3, 2, 1), ("wrow0_", "xd_")),
-    ("nhwc", (1, 17, 23, 37), avgpool(3, 2, 1, ceil=True, cip=False), ("wrow0_", "wdiv0_")),
-    ("nhwc", (1, 20, 19, 33), maxpool(2, 1, 1, 2), ("wrow0_",)),
+    ("nchw", (5, 17, 19, 33), maxpool(3, 1, 1), True, ("wrow0_c0_", "alignr", "_mm512_stream_ps")),
+    ("nchw", (5, 3, 19, 33), avgpool(3, 1, 1, cip=False), True, ("wrow0_r0_", "alignr", "wdiv0_")),
+    # channels_last register ring (17 channels: a masked last vector; 80: two blocks, the
+    # second of one vector), the exact interleaved rows behind ``bad_``
+    ("nhwc", (5, 17, 23, 37), maxpool(3, 2, 1), True, ("q2_1_", "wbad0_", "wrow0_", "xd_")),
+    ("nhwc", (5, 80, 23, 37), maxpool(3, 2, 1), True, ("q2_3_", "wbad0_", "wrow0_")),
+    # stride 1 on the input itself (the inception concat -> max-pool)
+    ("nhwc", (2, 80, 19, 23), maxpool(3, 1, 1), False, ("q2_3_", "wbad0_", "wrow0_")),
+    ("nhwc", (1, 17, 23, 37), avgpool(3, 2, 1, ceil=True, cip=False), True, ("q2_1_", "wdiv0_")),
+    # dilated along w: the interleaved rows only
+    ("nhwc", (1, 20, 19, 33), maxpool(2, 1, 1, 2), True, ("wrow0_",)),
 ]
 
 
-@pytest.mark.parametrize("layout,shape,pool,marks", WINDOW_FORMS)
-def test_window_forms(layout, shape, pool, marks, tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    "pool,producer",
+    [(maxpool(3, 1, 1), False), (maxpool(3, 2, 1), True), (maxpool(2, 2, 0), True)],
+)
+def test_ring_sees_a_nan_in_every_input_row(pool, producer, tmp_path) -> None:  # noqa: ANN001
+    """channels_last's register ring tests each window row for NaN once, in the first
+    output row that reads it: a single NaN in any input row (and in any column) must still
+    reach every output whose window holds it, with finite values everywhere else."""
+    shape = (2, 32, 13, 21)
+    g = _pool_graph("nhwc", shape, pool, producer)
+    s = X86Backend().schedule(g, [n.name for n in g.nodes()], hardware())
+    src = render_c(s, stream_min_bytes=0)
+    assert "q1_1_" in src and "wbad0_" in src
+    fn = getattr(ctypes.CDLL(str(build_c(s.name, src, tmp_path).binary)), s.name)
+    fn.restype, fn.argtypes = None, [ctypes.c_void_p] * 2
+    gen = torch.Generator().manual_seed(3)
+    for row in range(shape[2]):
+        x = torch.randn(shape, generator=gen)
+        col, ch = (row * 7) % shape[3], (row * 5) % shape[1]
+        x[row % 2, ch, row, col] = float("nan")
+        x = x.contiguous(memory_format=torch.channels_last)
+        ref = g.evaluate(x)
+        out = torch.empty(ref.shape).contiguous(memory_format=torch.channels_last)
+        fn(x.data_ptr(), out.data_ptr())
+        assert_matches(out, ref, f"NaN in row {row}")
+
+
+@pytest.mark.parametrize("specials", ["dense", "none", "one"])
+@pytest.mark.parametrize("layout,shape,pool,producer,marks", WINDOW_FORMS)
+def test_window_forms(layout, shape, pool, producer, marks, specials, tmp_path) -> None:  # noqa: ANN001
     """Each form of the separable window is generated where it applies (checked in the
-    source) and gives PyTorch's values, NaN and inf included."""
-    g = _pool_graph(layout, shape, pool, producer=True)
-    src = _run_pool(g, layout, shape, tmp_path, seed=7, stream=True)
+    source) and gives PyTorch's values, on finite inputs, with one NaN and inf, and with
+    many."""
+    g = _pool_graph(layout, shape, pool, producer)
+    src = _run_pool(g, layout, shape, tmp_path, seed=7, stream=True, specials=specials)
     missing = [m for m in marks if m not in src]
     assert not missing, missing

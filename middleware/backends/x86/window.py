@@ -15,7 +15,7 @@ passes per output row ``h`` instead of one unrolled window per output:
    ``vpermt2ps`` per tap from L1; channels_last: 16 channels of one output pixel), divides
    (average pooling), applies the stage's epilogue (the ReLU after a max-pool) and stores.
 
-Three forms (measurements in ``bench/README.md``, issue 18's second pass):
+Four forms (measurements in ``bench/README.md``, issue 18's second pass):
 
 * NCHW rows: the row pass of an output row, then its column pass; software prefetch of
   the rows ``PREFETCH_BYTES`` ahead; an output larger than the caches whose tiles are
@@ -24,9 +24,18 @@ Three forms (measurements in ``bench/README.md``, issue 18's second pass):
 * NCHW flat planes (``SeparableWriter.flat``): a stride-1 window over rows as wide as the
   output (at least 16) runs each pass as one loop over the plane, the column taps masked
   per lane by the lane's column (28-float rows took two chunks a row in each pass).
-* channels_last: each output column first runs the row pass up to the input columns it
-  reads (loads and stores interleave; the two passes one after the other left the memory
-  idle in turn).
+* channels_last, register ring (``SeparableWriter.ring``, a window without dilation
+  along ``w``): per block of up to four channel vectors, the input columns the output
+  reads, reduced across the window rows, are kept in registers while ``w`` advances; each
+  output reuses the columns it shares with the previous one. Max/min reduce without NaN
+  blends and instead test every window row once for NaN (in the first output row that
+  reads it) into a per-tile flag; a NaN sends the rest of the tile through the exact form
+  below. Software prefetch of the rows ahead as in the NCHW rows. (Concat -> 3x3/1
+  max-pool from DRAM, one core: 70% of the streaming kernel through the interleaved form,
+  95% this way.)
+* channels_last, interleaved (the exact form behind the ring, and dilated windows): each
+  output column first runs the row pass up to the input columns it reads (loads and
+  stores interleave; the two passes one after the other left the memory idle in turn).
 
 The row buffer carries the reduction's identity (-inf, +inf, 0) in ``pad`` columns on
 both sides, set once per tile, so no column tap has a bound or a mask; border rows (a
@@ -78,6 +87,10 @@ PREFETCH_HINT = "_MM_HINT_T1"
 # core: none 79%, 1 KiB ahead 85%, 2 KiB 87%, 4 KiB 83%.
 PREFETCH_FLAT_BYTES = 2048
 IDENTITY = {"max": float("-inf"), "min": float("inf"), "sum": 0.0}
+# The channels_last register ring (``SeparableWriter.ring``): at most this many channel
+# vectors per block, and window columns times vectors at most this many registers.
+RING_VECTORS = 4
+RING_REGISTERS = 24
 # the C name of the input column (the row pass's vector or pixel variable)
 XVAR = "xw_"
 
@@ -312,6 +325,7 @@ class SeparableWriter:
         self.buf = f"wrow{number}_"
         self.div = f"wdiv{number}_"
         self.out_buf = f"wout{number}_"
+        self.bad = f"wbad{number}_"  # the ring's NaN flag (see :meth:`write`)
         self.flat_plane = self.is_flat()
         self.lines: list[tuple[int, str]] = []
         self.decls: list[str] = []
@@ -540,15 +554,20 @@ class SeparableWriter:
             self.flat(d)
             return
         p, st = self.p, self.st
+        ring = self.ring_ok()
+        checked = ring and p.op != "sum"
         cw = self.row_width()
         size = self.columns() * cw + LANES
-        if size > MAX_ROW_FLOATS:
-            raise Unsupported("row buffer too large")
-        self.decls.append(f"float {self.buf}[{size}] __attribute__((aligned(64)));")
-        self.stack_floats += size
-        self.decls.append(
-            f"for (int i_ = 0; i_ < {size}; ++i_) {self.buf}[i_] = {self.identity()};"
-        )
+        init = f"for (int i_ = 0; i_ < {size}; ++i_) {self.buf}[i_] = {self.identity()};"
+        if not ring or checked:  # the row buffer of the interleaved form
+            if size > MAX_ROW_FLOATS:
+                raise Unsupported("row buffer too large")
+            self.decls.append(f"float {self.buf}[{size}] __attribute__((aligned(64)));")
+            self.stack_floats += size
+            if checked:  # set when the exact form first runs in the tile
+                self.decls.append(f"unsigned {self.bad} = 0; int {self.buf}ok_ = 0;")
+            else:
+                self.decls.append(init)
         if isinstance(p.divisor, np.ndarray):
             vals = ", ".join(self.w.c_float(float(x)) for x in p.divisor.reshape(-1))
             self.decls.append(f"static const float {self.div}[{p.divisor.size}] = {{{vals}}};")
@@ -569,17 +588,200 @@ class SeparableWriter:
         ra = to_c(_subst(rows.index, {rows.kvar: Int(rows.k0)}))
         rb = to_c(_subst(rows.index, {rows.kvar: Int(rows.k1)}))
         staged = self.staged()
-        self.emit(d, f"if (({ra}) >= 0 && ({rb}) <= {rows.size - 1}) {{")
-        self.interleaved(d + 1, cw, guarded=False, staged=staged)
-        self.emit(d, "} else {")
-        self.interleaved(d + 1, cw, guarded=True, staged=staged)
-        self.emit(d, "}")
+        inside = f"({ra}) >= 0 && ({rb}) <= {rows.size - 1}"
+        exact = d
+        if ring:
+            # The register ring; max/min test the window rows for NaN into the tile's
+            # sticky flag: the first output row of the stage's h loop (and every border
+            # row) all of them, each later row only those the row before did not read. A
+            # NaN seen sends this row and the rest of the tile through the exact form.
+            first_row = to_c(st.loops[-2].lo)
+            fast = f"{inside} && h != ({first_row})" if checked else inside
+            if checked:
+                self.emit(d, f"if (!{self.bad}) {{")
+            self.emit(d + checked, f"if ({fast}) {{")
+            self.ring(d + checked + 1, guarded=False)
+            self.emit(d + checked, "} else {")
+            self.ring(d + checked + 1, guarded=True)
+            self.emit(d + checked, "}")
+            if not checked:
+                return
+            self.emit(d, "}")
+            self.emit(d, f"if ({self.bad}) {{")
+            self.emit(d + 1, f"if (!{self.buf}ok_) {{ {init} {self.buf}ok_ = 1; }}")
+            exact = d + 1
+        self.emit(exact, f"if ({inside}) {{")
+        self.interleaved(exact + 1, cw, guarded=False, staged=staged)
+        self.emit(exact, "} else {")
+        self.interleaved(exact + 1, cw, guarded=True, staged=staged)
+        self.emit(exact, "}")
+        if exact != d:
+            self.emit(d, "}")
         if staged:
             b = self.w.s.buffer(st.target)
             size = b.shape[2] * b.shape[3] + LANES
             self.decls.append(f"float {self.out_buf}[{size}] __attribute__((aligned(64)));")
             self.stack_floats += size
             self.flush(d, self.vec("w", "w0_"))
+
+    def ring_ok(self) -> bool:
+        """Whether the channels_last row runs as a register ring (:meth:`ring`): a
+        window without dilation along ``w``."""
+        return self.nhwc and self.p.cols.dilation == 1
+
+    def ring(self, d: int, guarded: bool) -> None:
+        """channels_last, one output row: per block of up to ``RING_VECTORS`` channel
+        vectors, the window's input columns reduced across the window rows are kept in
+        registers (``q<i>_<j>``: column i of the window, vector j of the block) while
+        ``w`` advances; each output reuses the columns it shares with the previous one
+        (``S - stride`` of the window's ``S``) and computes the rest. Nothing passes
+        through a row buffer: each input element is loaded once per window row, each
+        output stored once.
+
+        Max/min reduce without NaN blends; instead every window input is tested for NaN
+        into the tile's flag ``wbad<k>_`` (one unordered compare per pair of taps), and
+        a row with a NaN is written again by the exact form (see :meth:`write`)."""
+        p, cols = self.p, self.p.cols
+        span, s = cols.k1 - cols.k0 + 1, cols.stride
+        keep = max(0, span - s)
+        nvec = -(-self.row_width() // LANES)
+        block = max(1, min(RING_VECTORS, RING_REGISTERS // span, nvec))
+        checked = p.op != "sum"
+        ident = f"_mm512_set1_ps({self.identity()})"
+        q = [[f"q{i}_{j}_" for j in range(block)] for i in range(span)]
+        if checked:  # the row's NaN lanes in a mask register, into the flag at the end
+            self.emit(d, "__mmask16 nb_ = 0;")
+        self.emit(d, f"for (int cb_ = lo_c_; cb_ <= hi_c_; cb_ += {LANES * block}) {{")
+        dd = d + 1
+        masks = [f"mk{j}_" for j in range(block)]
+        self.emit(
+            dd,
+            "const __mmask16 "
+            + ", ".join(
+                f"{m} = mw_range(0, hi_c_ - cb_ - {LANES * j})" for j, m in enumerate(masks)
+            )
+            + ";",
+        )
+        self.emit(dd, "__m512 " + ", ".join(f"{x} = {ident}" for r in q for x in r) + ";")
+
+        def column(i: int, x: str, depth: int) -> None:
+            """Column ``i`` of the ring: input column ``x`` reduced across the rows."""
+            self.emit(depth, "{")
+            self.emit(depth + 1, f"const int {XVAR} = {x};")
+            self.emit(depth + 1, f"if ({XVAR} >= 0 && {XVAR} <= {cols.size - 1}) {{")
+            for j in range(block):
+                v = self.vec("c", f"(cb_ + {LANES * j})")
+                v.mask = masks[j]
+                lines = self.ring_rows(v, q[i][j], guarded, checked)
+                if v.stride2:
+                    raise Unsupported("a stride-2 load in the row pass")
+                self.emit(depth + 2, "{")
+                for line in lines:
+                    self.emit(depth + 3, line)
+                self.emit(depth + 2, "}")
+            self.emit(depth + 1, "} else {")
+            for j in range(block):
+                self.emit(depth + 2, f"{q[i][j]} = {ident};")
+            self.emit(depth + 1, "}")
+            self.emit(depth, "}")
+
+        first = cols.first
+        for i in range(s, span):  # the columns the first output shares with the one before
+            column(i, f"{s} * lo_w_ + {first + i - s}", dd)
+        self.emit(dd, "for (int w = lo_w_; w <= hi_w_; ++w) {")
+        for i in range(keep):
+            for j in range(block):
+                self.emit(dd + 1, f"{q[i][j]} = {q[i + s][j]};")
+        for i in range(keep, span):
+            column(i, f"{s} * w + {first + i}", dd + 1)
+        for j in range(block):
+            v = self.vec("c", f"(cb_ + {LANES * j})")
+            self.emit(dd + 1, "{")
+            self.emit(dd + 2, f"const __mmask16 mk = {masks[j]};")
+            out: list[str] = []
+            if p.op == "sum":
+                out.append(f"__m512 t_ = {q[0][j]};")
+                out += [f"t_ = _mm512_add_ps(t_, {q[i][j]});" for i in range(1, span)]
+            else:
+                out.append(f"__m512 t_ = {q[0][j]};")
+                out += [f"t_ = _mm512_{p.op}_ps(t_, {q[i][j]});" for i in range(1, span)]
+            out += self.finish(v, staged=False)
+            for line in out:
+                self.emit(dd + 2, line)
+            self.emit(dd + 1, "}")
+        self.emit(dd, "}")
+        self.emit(d, "}")
+        if checked:
+            self.emit(d, f"{self.bad} |= nb_;")
+
+    def ring_rows(self, v: VecExpr, dst: str, guarded: bool, checked: bool) -> list[str]:
+        """The window rows of one ring column reduced into ``dst`` (``checked``: each
+        value the row before did not read tested for NaN into the flag)."""
+        p, rows = self.p, self.p.rows
+        out: list[str] = []
+        if not guarded:
+            # the software prefetch of the rows ahead: without it the ring waits on memory
+            # (concat -> 3x3/1 max-pool from DRAM, one core: 74% of the streaming kernel,
+            # 96% with it)
+            out += self.prefetches(v, self.row_width())
+            names = []
+            for k in range(rows.k0, rows.k1 + 1):
+                out.append(f"const __m512 y{k - rows.k0}_ = {self.row_tap(v, Int(k))};")
+                names.append(f"y{k - rows.k0}_")
+            fn = "_mm512_add_ps" if p.op == "sum" else f"_mm512_{p.op}_ps"
+            out.append(f"__m512 r_ = {names[0]};")
+            out += [f"r_ = {fn}(r_, {x});" for x in names[1:]]
+            if checked:
+                # the rows the output row before did not read (the caller sends the first
+                # row of the h loop through the guarded form, which tests every row)
+                fresh = [
+                    f"y{k - rows.k0}_"
+                    for k in range(rows.k0, rows.k1 + 1)
+                    if rows.stride % rows.dilation
+                    or not rows.k0 <= k + rows.stride // rows.dilation <= rows.k1
+                ]
+                pairs = [fresh[i : i + 2] for i in range(0, len(fresh), 2)]
+                out += [f"nb_ |= _mm512_cmp_ps_mask({a[0]}, {a[-1]}, _CMP_UNORD_Q);" for a in pairs]
+        else:
+            row = to_c(_subst(rows.index, {rows.kvar: Var("k_")}))
+            out.append(f"__m512 r_ = _mm512_set1_ps({self.identity()});")
+            out.append(f"for (int k_ = {rows.k0}; k_ <= {rows.k1}; ++k_) {{")
+            out.append(f"  if (({row}) < 0 || ({row}) > {rows.size - 1}) continue;")
+            out.append(f"  const __m512 y_ = {self.row_tap(v, Var('k_'))};")
+            if p.op == "sum":
+                out.append("  r_ = _mm512_add_ps(r_, y_);")
+            else:
+                out.append(f"  r_ = _mm512_{p.op}_ps(r_, y_);")
+                out.append("  nb_ |= _mm512_cmp_ps_mask(y_, y_, _CMP_UNORD_Q);")
+            out.append("}")
+        out.append(f"{dst} = r_;")
+        return out
+
+    def finish(self, v: VecExpr, staged: bool) -> list[str]:
+        """From the reduced chunk ``t_``: the division, the stage's epilogue, the store
+        (``staged``: into the plane buffer)."""
+        p, cols, st = self.p, self.p.cols, self.st
+        out: list[str] = []
+        total = "t_"
+        if isinstance(p.divisor, float):
+            total = f"_mm512_div_ps(t_, _mm512_set1_ps({self.w.c_float(p.divisor)}))"
+        elif isinstance(p.divisor, np.ndarray):
+            ow = cols.out
+            if self.nhwc:
+                div = f"_mm512_set1_ps({self.div}[h * {ow} + w])"
+            else:
+                div = f"_mm512_maskz_loadu_ps(mk, &{self.div}[h * {ow} + w0_])"
+            total = f"_mm512_div_ps(t_, {div})"
+        out.append(f"const __m512 acc_v = {total};")
+        if staged:
+            ow = self.w.s.buffer(st.target).shape[3]
+            dst = f"&{self.out_buf}[h * {ow} + w0_]"
+            out.append(f"_mm512_mask_storeu_ps({dst}, mk, {v.expr(self.epilogue)});")
+        else:
+            out.append(self.w.vstore(st, v, v.expr(self.epilogue)))
+        if v.stride2:
+            raise Unsupported("a stride-2 load in the epilogue")
+        return out
 
     def interleaved(self, d: int, cw: int, guarded: bool, staged: bool) -> None:
         """The column pass over the output row, each step first running the row pass up
@@ -774,33 +976,14 @@ class SeparableWriter:
         """One chunk of the column pass (``q_``: the row buffer at its first tap): the
         taps reduced, divided, the stage's epilogue, the store (``staged``: into the
         plane buffer)."""
-        p, cols, st = self.p, self.p.cols, self.st
+        p, cols = self.p, self.p.cols
         out, names = [], []
         for k in range(cols.k0, cols.k1 + 1):
             off = cols.dilation * k * cw
             out.append(f"const __m512 z{k - cols.k0}_ = {self.column_tap(off)};")
             names.append(f"z{k - cols.k0}_")
         _reduce(p.op, names, out, "t_")
-        total = "t_"
-        if isinstance(p.divisor, float):
-            total = f"_mm512_div_ps(t_, _mm512_set1_ps({self.w.c_float(p.divisor)}))"
-        elif isinstance(p.divisor, np.ndarray):
-            ow = cols.out
-            if self.nhwc:
-                div = f"_mm512_set1_ps({self.div}[h * {ow} + w])"
-            else:
-                div = f"_mm512_maskz_loadu_ps(mk, &{self.div}[h * {ow} + w0_])"
-            total = f"_mm512_div_ps(t_, {div})"
-        out.append(f"const __m512 acc_v = {total};")
-        if staged:
-            ow = self.w.s.buffer(st.target).shape[3]
-            dst = f"&{self.out_buf}[h * {ow} + w0_]"
-            out.append(f"_mm512_mask_storeu_ps({dst}, mk, {v.expr(self.epilogue)});")
-        else:
-            out.append(self.w.vstore(st, v, v.expr(self.epilogue)))
-        if v.stride2:
-            raise Unsupported("a stride-2 load in the epilogue")
-        return out
+        return out + self.finish(v, staged)
 
     def column_tap(self, off: int) -> str:
         """Tap at ``off`` floats from ``q_``: 16 consecutive outputs read columns
