@@ -120,10 +120,14 @@ def generated_grads(
 
 
 def assert_grads_close(
-    got: Sequence[torch.Tensor | None], expected: Sequence[torch.Tensor | None], rel: float
+    got: Sequence[torch.Tensor | None],
+    expected: Sequence[torch.Tensor | None],
+    rel: float,
+    floor: float = 1e-6,
 ) -> None:
-    """Each gradient within ``rel`` of its finite scale; NaN where PyTorch has NaN, the
-    same infinities."""
+    """Each gradient within ``rel`` of its finite scale (at least ``floor``: a gradient
+    that is zero in exact arithmetic, ``x / x``'s, is a difference of rounded terms); NaN
+    where PyTorch has NaN, the same infinities."""
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         what = f"input {i}"
         if e is None:
@@ -132,7 +136,7 @@ def assert_grads_close(
         assert g is not None, f"input {i}: no gradient"
         assert g.shape == e.shape, f"input {i}: shape {tuple(g.shape)} != {tuple(e.shape)}"
         finite = e[torch.isfinite(e)]
-        scale = max(float(finite.abs().max()), 1e-6) if finite.numel() else 1.0
+        scale = max(float(finite.abs().max()), floor) if finite.numel() else 1.0
         torch.testing.assert_close(
             g,
             e,
@@ -294,7 +298,36 @@ def _run_program(g: Graph, layout: str, backend: Any, options: Options, seed: in
     except NotFusable as e:  # a gradient that needs a reduction inside the group
         assert "broadcast form" in str(e) or "different broadcast shapes" in str(e), e
         return
-    assert_grads_close(got, autograd_grads(g, xs, gy), 1e-4)
+    # the floor: the terms of a gradient are the output gradient times local derivatives
+    # of order 1 on these inputs (|x| >= 0.5)
+    floor = 1e-3 * float(gy.abs().max())
+    assert_grads_close(got, autograd_grads(g, xs, gy), 1e-4, floor)
+
+
+@pytest.mark.parametrize("backend", [ReferenceBackend(), X86Backend()], ids=["reference", "c"])
+@pytest.mark.parametrize(
+    "x1_shape,op",
+    [((1, 1, 1, 1), "add"), ((2, 3, 1, 1), "add"), ((2, 3, 1, 1), "sub"), ((1, 3, 4, 1), "mul")],
+)
+def test_an_operand_broadcast_over_a_reduced_dim_sums_its_gradient(
+    backend, x1_shape, op, tmp_path
+) -> None:  # noqa: ANN001
+    """``mean(x0 op x1)`` over the spatial dims with ``x1`` broadcast along them: the
+    output gradient reaches ``x1`` once per element it was broadcast to (``x1`` of an add
+    gets ``gy``, not ``gy / HW``). Found by the random programs: the gradient's broadcast
+    form fitted to ``x1``'s shape summed nothing."""
+    g = Graph()
+    g.add_input("x0", TensorType((2, 3, 4, 5), "float32", "nchw"))
+    g.add_input("x1", TensorType(x1_shape, "float32", "nchw"))
+    attrs = {"alpha": -0.5} if op == "sub" else {}
+    for node in (
+        Node("n0", op, ("x0", "x1"), ("v0",), attrs),
+        Node("n1", "mean", ("v0",), ("v1",), {"dims": (2, 3), "keepdim": True}),
+        Node("n2", "tanh", ("v1",), ("v2",), {}),
+    ):
+        g.add_node(node, infer_types(g.values, node))
+    g.set_outputs("v2")
+    _run_program(g, "nchw", backend, Options(cache_dir=tmp_path), seed=1)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))

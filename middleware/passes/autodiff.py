@@ -143,7 +143,7 @@ def differentiate(
         for v, g in zip(node.inputs, got, strict=True):
             if g is None or v in graph.params and v not in inputs:
                 continue
-            parts.setdefault(v, []).append(g)
+            parts.setdefault(v, []).append(_summed_extent(e, full, node, g, v))
     gradients: list[Gradient | None] = []
     for v in inputs:
         got = parts.get(v)
@@ -157,6 +157,37 @@ def differentiate(
         sub, names = _prune(full, g)
         gradients.append(Gradient(v, g, sub, names, fit_to))
     return Backward(grad_out, tuple(gradients))
+
+
+def _summed_extent(e: _Emitter, full: Graph, node: Node, g: str, v: str) -> str:
+    """Operand ``v``'s gradient ``g`` from a broadcasting elementwise ``node``, in broadcast
+    form relative to ``v`` itself. A form of size 1 along a dim where the node's output is
+    ``n`` long and ``v`` was broadcast (size 1) stands for ``n`` equal values of the
+    output's gradient, all of which sum into ``v``: fitted to ``v``'s shape it would give
+    one of them. Scaled by those lengths here (``x1`` of ``mean(x0 + x1)`` over the
+    spatial dims, ``x1`` one value per channel: its gradient is ``gy``, not ``gy / HW``)."""
+    shapes = [full.values[x].shape for x in node.inputs]
+    (y,) = node.outputs
+    out = tuple(full.values[y].shape)
+    try:
+        elementwise = tuple(torch.broadcast_shapes(*shapes)) == out
+    except RuntimeError:
+        elementwise = False
+    if not elementwise:  # a view or a reduction: its rule gives the exact form
+        return g
+    rank = len(out)
+
+    def padded(s: Sequence[int]) -> tuple[int, ...]:
+        return (1,) * (rank - len(s)) + tuple(s)
+
+    gs, vs = padded(full.values[g].shape), padded(full.values[v].shape)
+    if len(gs) != rank:
+        return g
+    n = 1
+    for d in range(rank):
+        if gs[d] == 1 and vs[d] == 1 and out[d] > 1:
+            n *= out[d]
+    return g if n == 1 else e.emit("mul", (g,), {"scalar": float(n)})
 
 
 def _same_shape(full: Graph, v: str, parts: list[str]) -> list[str]:
