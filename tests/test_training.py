@@ -146,6 +146,60 @@ def test_generated_group_is_one_autograd_function_saving_its_inputs() -> None:
     assert not any(n.startswith(("HardswishBackward", "SigmoidBackward")) for n in names), names
 
 
+class ResidualSum(nn.Module):
+    """ReLU of a sum after convolutions: ``relu(a(x) + b(x) + x)`` (three operands, one a
+    graph input), then ``relu(a(x) - b(x))`` (a sub: not a ReLU of a sum) and
+    ``relu(b(x) + b(x))`` (one operand twice), each read by a convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(4, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 1)
+        self.c = nn.Conv2d(12, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.relu(self.a(x) + self.b(x) + x)
+        d = torch.relu(self.a(x) - self.b(x))
+        t = self.b(x)
+        return self.c(torch.cat([s, d, torch.relu(t + t)], 1))
+
+
+def _group_saves(out: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """The tensors each fused group reachable from ``out`` saved for backward."""
+    found, todo, seen = [], [out.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if "GroupFunction" in type(fn).__name__:
+            found.append(tuple(fn.saved_tensors))
+        todo += [f for f, _ in fn.next_functions]
+    return found
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_relu_of_a_sum_saves_its_output_and_matches(layout: str) -> None:
+    """A ReLU of a sum of the group's inputs (a ResNet block's ``add > relu``) saves its
+    output, which the next convolution keeps anyway, instead of its inputs (here a(x),
+    b(x) and the input x itself), and computes every input's gradient from it as ReLU's
+    backward; a sub, or an operand added to itself, keeps the generated backward.
+    Gradients, outputs and the report against eager."""
+    model = nondegenerate(ResidualSum()).train()
+    x = torch.randn(3, 4, 9, 11)
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+    optimized = check_training_matches(model, x, layout=layout)
+    rows = optimized.report().rows
+    ops = sorted(r.op for r in rows if "ReLU's from the saved output" in (r.reason or ""))
+    assert ops == ["add", "add", "relu"], optimized.report()
+    xg = x.clone().requires_grad_(True)
+    saves = _group_saves(optimized(xg))
+    singles = [t for t in saves if len(t) == 1 and t[0].shape == x.shape]
+    assert any(bool((t[0] >= 0).all()) for t in singles), [len(t) for t in saves]
+    assert not any(t.data_ptr() == xg.data_ptr() for ts in saves for t in ts)
+
+
 def test_weight_updates_are_picked_up_and_loss_curve_matches() -> None:
     """Twenty SGD-with-momentum steps (dropout p > 0, seeded): the same losses as eager at
     every step (relative difference < 1e-3), running statistics included."""

@@ -261,6 +261,11 @@ class _GroupFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, group: FusedGroup, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.group = group
+        if group.relu_of_sum:  # the output only (see ``relu_of_sum``)
+            out = group.kernel(*inputs)
+            ctx.shapes = [tuple(x.shape) for x in inputs]
+            ctx.save_for_backward(out)
+            return out
         ctx.save_for_backward(*inputs)
         return group.kernel(*inputs)
 
@@ -269,6 +274,17 @@ class _GroupFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
         group: FusedGroup = ctx.group
         need = ctx.needs_input_grad[1:]
+        if group.relu_of_sum:
+            (gy,) = grads
+            (y,) = ctx.saved_tensors
+            if gy is None:
+                return (None,) * (1 + len(need))
+            # ReLU's own backward (eager's, from its output), passed unchanged by the adds
+            g = torch.ops.aten.threshold_backward(gy, y, 0)
+            return (
+                None,
+                *[fit(g, sh) if n else None for sh, n in zip(ctx.shapes, need, strict=True)],
+            )
         if group.backward is not None:
             try:
                 return (None, *group.backward(ctx.saved_tensors, need, grads))
@@ -356,11 +372,20 @@ class FusedGroup:
     nodes: tuple[tuple[Callable[..., Any], tuple[str, ...], tuple[str, ...]], ...]
     # the generated backward; None: recompute through PyTorch (``input_grads``)
     backward: GeneratedBackward | None = None
+    # ReLU of a sum of the inputs (``relu_of_sum``): saves its output, not its inputs
+    relu_of_sum: bool = False
 
     @staticmethod
     def of(
-        graph: Graph, name: str, kernel: Callable[..., Any], inputs, outputs, nodes, backward=None
-    ):  # noqa: ANN001, ANN205
+        graph: Graph,
+        name: str,
+        kernel: Callable[..., Any],
+        inputs,  # noqa: ANN001
+        outputs,  # noqa: ANN001
+        nodes,  # noqa: ANN001
+        backward=None,  # noqa: ANN001
+        relu_of_sum: bool = False,
+    ):  # noqa: ANN205
         steps = tuple(
             (
                 get_op(graph.node(n).op).bind(graph.node(n)),
@@ -369,7 +394,7 @@ class FusedGroup:
             )
             for n in nodes
         )
-        return FusedGroup(name, kernel, tuple(inputs), tuple(outputs), steps, backward)
+        return FusedGroup(name, kernel, tuple(inputs), tuple(outputs), steps, backward, relu_of_sum)
 
     def __call__(self, *xs: torch.Tensor) -> Any:
         if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
@@ -628,6 +653,43 @@ def _drop_unusable(
             why[u.nodes[0]] = SINGLE_OP_REASON
 
 
+def relu_of_sum(
+    graph: Graph, nodes: Sequence[str], inputs: Sequence[str], outputs: Sequence[str]
+) -> bool:
+    """Whether a group is ``relu(x1 + x2 + ...)`` of its inputs, each input added once with
+    coefficient 1 (the residual ``add > relu`` of a ResNet block): its input gradients are
+    all ReLU's backward from the group's output, which the next layer saves anyway. Saving
+    the output instead of the inputs keeps one tensor per block fewer alive until the
+    backward pass (eager's in-place ``out += identity; relu(out)`` saves only the output)."""
+    if len(outputs) != 1 or len(nodes) < 2:
+        return False
+    *adds, last = (graph.node(n) for n in nodes)
+    if last.op != "relu" or last.outputs != (outputs[0],) or len(last.inputs) != 1:
+        return False
+    made = set(inputs)
+    used: list[str] = []
+    for n in adds:
+        if (
+            n.op != "add"
+            or len(n.inputs) != 2
+            or n.attrs.get("alpha", 1) != 1
+            or n.attrs.get("scalar") is not None
+            or not set(n.inputs) <= made
+        ):
+            return False
+        used += [v for v in n.inputs if v in inputs]
+        made.add(n.outputs[0])
+    # every add's result used once, by the next add or the relu: a tree over the inputs
+    results = [n.outputs[0] for n in adds]
+    reads = [v for n in (*adds, last) for v in n.inputs]
+    return (
+        last.inputs[0] == results[-1]
+        and sorted(used) == sorted(inputs)
+        and len(set(used)) == len(used)
+        and all(reads.count(r) == 1 for r in results)
+    )
+
+
 def backward_kernels(
     backend: Any,
     graph: Graph,
@@ -645,6 +707,8 @@ def backward_kernels(
         if len(u.outputs) != 1:
             result[key] = (None, f"{len(u.outputs)} outputs")
             continue
+        if relu_of_sum(graph, u.nodes, u.inputs, u.outputs):
+            continue  # ReLU's backward from the saved output (``_assemble``)
         try:
             derived[key] = differentiate(graph, u.nodes, u.inputs, u.outputs[0])
         except NotFusable as e:
@@ -701,6 +765,12 @@ def _build_gradient(
     return kernel, None
 
 
+RELU_OF_SUM_NOTE = (
+    "backward: ReLU's from the saved output (a ReLU of a sum saves its output, which the "
+    "next layer keeps anyway, instead of its inputs)"
+)
+
+
 def backward_note(backward: GeneratedBackward | None, why: str) -> str:
     """The report's words on a generated group's backward."""
     if backward is not None:
@@ -736,8 +806,9 @@ def _assemble(
         if n.name in fused:
             u = fused[n.name]
             bwd, bwd_why = backward.get(n.name, (None, "not derived"))
-            group = FusedGroup.of(graph, u.name, u.fn, u.inputs, u.outputs, u.nodes, bwd)
-            note = backward_note(bwd, bwd_why)
+            ros = relu_of_sum(graph, u.nodes, u.inputs, u.outputs)
+            group = FusedGroup.of(graph, u.name, u.fn, u.inputs, u.outputs, u.nodes, bwd, ros)
+            note = RELU_OF_SUM_NOTE if ros else backward_note(bwd, bwd_why)
             units.append(
                 (u.name, RunsAs.GENERATED, group, u.inputs, u.outputs, tuple(u.nodes), note)
             )
@@ -791,12 +862,18 @@ def backward_summary(
     if not fused:
         return ()
     why: dict[str, int] = {}
+    from_output = 0
     for key in fused:
-        bwd, reason = backward.get(key, (None, "not derived"))
+        if key not in backward:  # a ReLU of a sum: from its saved output
+            from_output += 1
+            continue
+        bwd, reason = backward[key]
         if bwd is None:
             why[reason] = why.get(reason, 0) + 1
-    done = len(fused) - sum(why.values())
+    done = len(fused) - sum(why.values()) - from_output
     text = f"backward of fused groups: {done} of {len(fused)} generated"
+    if from_output:
+        text += f", {from_output} ReLU of a sum from its saved output"
     if why:
         text += "; PyTorch recompute for " + "; ".join(f"{n}: {r}" for r, n in why.items())
     return (text,)
