@@ -325,34 +325,41 @@ WINDOW_FORMS = [
 ]
 
 
+@pytest.mark.parametrize("caches", ["host", "small"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
     "pool,producer",
     [(maxpool(3, 1, 1), False), (maxpool(3, 2, 1), True), (maxpool(2, 2, 0), True)],
 )
-def test_fast_forms_see_a_nan_in_every_input_row(layout, pool, producer, tmp_path) -> None:  # noqa: ANN001
+def test_fast_forms_see_a_nan_in_every_input_row(layout, pool, producer, caches, tmp_path) -> None:  # noqa: ANN001
     """The fast forms of a max window (channels_last's register ring, NCHW rows and flat
     planes) test each window row for NaN once, in the first output row that reads it: a
-    single NaN in any input row (and in any column) must still reach every output whose
-    window holds it, with finite values everywhere else."""
+    single NaN in any input row, at the first, a middle or the last column and in varying
+    channels, must still reach every output whose window holds it, with finite values
+    everywhere else. ``small``: caches of 2 KiB and 16 KiB on one core, so that tiles
+    split h into a few rows and the rows after a tile's first test only their fresh
+    window rows."""
+    hw = hardware()
+    if caches == "small":
+        hw = dataclasses.replace(hw, l1_bytes=2048, l2_bytes=16384, cores=1)
     shape = (2, 32, 13, 21)
     mf = torch.channels_last if layout == "nhwc" else torch.contiguous_format
     g = _pool_graph(layout, shape, pool, producer)
-    s = X86Backend().schedule(g, [n.name for n in g.nodes()], hardware())
+    s = X86Backend().schedule(g, [n.name for n in g.nodes()], hw)
     src = render_c(s, stream_min_bytes=0)
     assert "nb_ |=" in src and ("q1_1_" in src) == (layout == "nhwc")
     fn = getattr(ctypes.CDLL(str(build_c(s.name, src, tmp_path).binary)), s.name)
     fn.restype, fn.argtypes = None, [ctypes.c_void_p] * 2
     gen = torch.Generator().manual_seed(3)
     for row in range(shape[2]):
-        x = torch.randn(shape, generator=gen)
-        col, ch = (row * 7) % shape[3], (row * 5) % shape[1]
-        x[row % 2, ch, row, col] = float("nan")
-        x = x.contiguous(memory_format=mf)
-        ref = g.evaluate(x)
-        out = torch.empty(ref.shape).contiguous(memory_format=mf)
-        fn(x.data_ptr(), out.data_ptr())
-        assert_matches(out, ref, f"NaN in row {row}")
+        for k, col in enumerate((0, (row * 7) % shape[3], shape[3] - 1)):
+            x = torch.randn(shape, generator=gen)
+            x[(row + k) % 2, (row * 5 + k * 11) % shape[1], row, col] = float("nan")
+            x = x.contiguous(memory_format=mf)
+            ref = g.evaluate(x)
+            out = torch.empty(ref.shape).contiguous(memory_format=mf)
+            fn(x.data_ptr(), out.data_ptr())
+            assert_matches(out, ref, f"NaN in row {row}, column {col}")
 
 
 @pytest.mark.parametrize("specials", ["dense", "none", "one"])

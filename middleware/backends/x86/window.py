@@ -59,7 +59,7 @@ unrolled or general window (``cstage.StageWriter``). The portable loops stay und
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -341,17 +341,31 @@ class SeparableWriter:
     def emit(self, depth: int, text: str) -> None:
         self.lines.append((depth, text))
 
-    def reduce(self, names: list[str], out: list[str], result: str, check: list[str]) -> None:
+    def reduce(
+        self,
+        names: list[str],
+        out: list[str],
+        result: str,
+        check: list[str],
+        first: Sequence[str] = (),
+    ) -> None:
         """Appends the statements reducing ``names`` into ``result``: exactly (NaN blends,
         :func:`_reduce`), or while writing the fast form (``self.fast``) a plain chain
-        with the values ``check`` tested for NaN into ``nb_`` (one compare per pair)."""
+        with the values ``check`` tested for NaN into ``nb_`` (one compare per pair), and
+        the values ``first`` too in the first output row of the h loop (``first_``)."""
         if not self.fast or self.p.op == "sum":
             _reduce(self.p.op, names, out, result)
             return
         out.append(f"__m512 {result} = {names[0]};")
         out += [f"{result} = _mm512_{self.p.op}_ps({result}, {x});" for x in names[1:]]
-        pairs = [check[i : i + 2] for i in range(0, len(check), 2)]
-        out += [f"nb_ |= _mm512_cmp_ps_mask({a[0]}, {a[-1]}, _CMP_UNORD_Q);" for a in pairs]
+
+        def tests(xs: list[str]) -> list[str]:
+            pairs = [xs[i : i + 2] for i in range(0, len(xs), 2)]
+            return [f"nb_ |= _mm512_cmp_ps_mask({a[0]}, {a[-1]}, _CMP_UNORD_Q);" for a in pairs]
+
+        out += tests(check)
+        if first:
+            out.append(f"if (first_) {{ {' '.join(tests(list(first)))} }}")
 
     def fresh(self, names: list[str]) -> list[str]:
         """Of the row taps ``names`` (window rows k0..k1), those that the output row
@@ -613,11 +627,11 @@ class SeparableWriter:
             self.decls.append(f"float {self.buf}[{size}] __attribute__((aligned(64)));")
             self.stack_floats += size
             if ring:  # only the exact form behind the ring uses it: set when it first runs
-                self.decls.append(f"int {self.buf}ok_ = 0;")
+                self.decls.append(f"int {self.buf}ok_ = 0; (void){self.buf}ok_;")
             else:
                 self.decls.append(init)
-        if checked:
-            self.decls.append(f"unsigned {self.bad} = 0;")
+        if checked:  # (void): unused by the portable loops under #else
+            self.decls.append(f"unsigned {self.bad} = 0; (void){self.bad};")
         if isinstance(p.divisor, np.ndarray):
             vals = ", ".join(self.w.c_float(float(x)) for x in p.divisor.reshape(-1))
             self.decls.append(f"static const float {self.div}[{p.divisor.size}] = {{{vals}}};")
@@ -659,13 +673,15 @@ class SeparableWriter:
             rows_of(d, inside, exact=not ring)
         else:
             # Max/min: the fast form tests the window rows for NaN into the tile's sticky
-            # flag (the first output row of the stage's h loop, and every border row, all
-            # of them; each later row only those the row before did not read); a NaN seen
-            # sends this row and the rest of the tile through the exact form.
+            # flag (the first output row of the stage's h loop, ``first_``, and every
+            # border row, all of them; each later row only those the row before did not
+            # read); a NaN seen sends this row and the rest of the tile through the exact
+            # form.
             first_row = to_c(next(lp for lp in st.loops if lp.var == "h").lo)
             self.emit(d, f"if (!{self.bad}) {{")
             self.emit(d + 1, "__mmask16 nb_ = 0;")
-            rows_of(d + 1, f"{inside} && h != ({first_row})", exact=False)
+            self.emit(d + 1, f"const int first_ = h == ({first_row});")
+            rows_of(d + 1, inside, exact=False)
             self.emit(d + 1, f"{self.bad} |= nb_;")
             self.emit(d, "}")
             self.emit(d, f"if ({self.bad}) {{")
@@ -779,9 +795,11 @@ class SeparableWriter:
             for k in range(rows.k0, rows.k1 + 1):
                 out.append(f"const __m512 y{k - rows.k0}_ = {self.row_tap(v, Int(k))};")
                 names.append(f"y{k - rows.k0}_")
-            # the first output row of the h loop runs the guarded form, which tests
-            # every row it reads
-            self.reduce(names, out, "r_", check=self.fresh(names))
+            # the rows the output row before read too: tested in the first output row of
+            # the h loop only
+            fresh = self.fresh(names)
+            stale = [x for x in names if x not in fresh]
+            self.reduce(names, out, "r_", check=fresh, first=stale)
         else:
             row = to_c(_subst(rows.index, {rows.kvar: Var("k_")}))
             out.append(f"__m512 r_ = _mm512_set1_ps({self.identity()});")
@@ -908,7 +926,9 @@ class SeparableWriter:
             for k in range(rows.k0, rows.k1 + 1):
                 out.append(f"const __m512 y{k - rows.k0}_ = {self.row_tap(v, Int(k))};")
                 names.append(f"y{k - rows.k0}_")
-            self.reduce(names, out, "r_", check=self.fresh(names))
+            fresh = self.fresh(names)
+            stale = [x for x in names if x not in fresh]
+            self.reduce(names, out, "r_", check=fresh, first=stale)
         else:
             row = to_c(_subst(rows.index, {rows.kvar: Var("k_")}))
             out.append(f"__m512 r_ = _mm512_set1_ps({self.identity()});")
