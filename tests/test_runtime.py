@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from middleware.runtime.module import OptimizedModule
 
 import middleware
+from middleware.runtime.module import OptimizedModule
 
 OPT_RTOL, OPT_ATOL = 1e-4, 1e-4
 
