@@ -40,7 +40,7 @@ from ...loops import DIMS, EXPENSIVE_FUNCTIONS, Acc, Call, Const, Expr, Load, Pa
 from ...passes.schedule_ir import ORDER, Loop, Schedule, Stage
 from . import window
 from .cfuncs import C_FUNCS, c_expr
-from .vec512 import LANES, Unsupported, VecExpr, stride_of
+from .vec512 import LANES, Unsupported, VecExpr, prefetch, stride_of
 
 # Unroll a window's taps in the interior only up to this many taps (7x7 = 49).
 MAX_UNROLLED_TAPS = 49
@@ -744,9 +744,9 @@ class StageWriter:
                     continue
                 if step == 0 or span <= 0:
                     continue
-                addr = v.load_address(x)
+                ident, offset = v.load_offset(x)
                 for off in range(0, span, LANES):
-                    text = f"_mm_prefetch((const char *)(({addr}) + {step + off}), _MM_HINT_T0);"
+                    text = prefetch(ident, f"({offset}) + {step + off}", "_MM_HINT_T0")
                     if text not in seen:
                         seen.add(text)
                         out.append(text)

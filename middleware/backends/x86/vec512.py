@@ -55,6 +55,16 @@ static const int mw_even[16] __attribute__((aligned(64))) = {0, 2, 4, 6, 8, 10, 
 """
 
 
+def prefetch(ident: str, offset: str, hint: str) -> str:
+    """A software prefetch of float ``offset`` of buffer ``ident``, with the address in
+    integer arithmetic: a prefetch ahead may point past the buffer's end (it does not
+    fault), and a pointer formed there would be undefined behaviour in C."""
+    return (
+        f"_mm_prefetch((const char *)((uintptr_t){ident} + "
+        f"(uintptr_t)(ptrdiff_t)({offset}) * sizeof(float)), {hint});"
+    )
+
+
 class Unsupported(Exception):
     """The loop cannot be written with these intrinsics (the caller keeps gcc's loop)."""
 
@@ -170,9 +180,15 @@ class VecExpr:
 
     def load_address(self, x: Load) -> str:
         """``&buffer[element]`` of load ``x`` at the chunk's first lane."""
+        ident, offset = self.load_offset(x)
+        return f"&{ident}[{offset}]"
+
+    def load_offset(self, x: Load) -> tuple[str, str]:
+        """(the buffer's C name, the element offset) of load ``x`` at the chunk's first
+        lane."""
         b = self.buffer_of(x.value)
         idx = tuple(at(i, self.var, self.start) for i in x.index)
-        return f"&{self.ident(b)}[{self.address(b, idx)}]"
+        return self.ident(b), self.address(b, idx)
 
     def load(self, x: Load) -> str:
         if x.value in self.scalars:

@@ -67,7 +67,7 @@ import numpy as np
 from ...index_expr import Int, Ix, Op, Var, evaluate, to_c, variables
 from ...loops import Call, Expr, Load, ParamVec, leaves
 from ...passes.schedule_ir import Buffer, Loop, Schedule, Stage
-from .vec512 import LANES, Unsupported, VecExpr
+from .vec512 import LANES, Unsupported, VecExpr, prefetch
 
 # The largest row buffer (floats, on the stack of each thread): 64K floats, 256 KiB.
 MAX_ROW_FLOATS = 65536
@@ -536,10 +536,12 @@ class SeparableWriter:
                     for x in leaves(body):
                         if isinstance(x, Load) and x.value not in seen:
                             seen.add(x.value)
+                            buf, offset = v.load_offset(x)
                             out.insert(
                                 0,
-                                f"_mm_prefetch((const char *)({v.load_address(x)} + "
-                                f"{PREFETCH_FLAT_BYTES // 4}), _MM_HINT_T0);",
+                                prefetch(
+                                    buf, f"{offset} + {PREFETCH_FLAT_BYTES // 4}", "_MM_HINT_T0"
+                                ),
                             )
             if v.stride2:
                 raise Unsupported("a stride-2 load in the row pass")
@@ -966,9 +968,7 @@ class SeparableWriter:
             for x in leaves(body):
                 if isinstance(x, Load) and x.value not in seen:
                     seen.add(x.value)
-                    out.append(
-                        f"_mm_prefetch((const char *)({v.load_address(x)}), {PREFETCH_HINT});"
-                    )
+                    out.append(prefetch(*v.load_offset(x), PREFETCH_HINT))
         return out
 
     def staged(self) -> bool:
