@@ -298,7 +298,7 @@ def test_network_contract_after_layout(name):
         "squeezenet1_1",
         "shufflenet_v2_x1_0",
         # the default run's slowest network case (16 s); googlenet end to end stays in the
-        # default run through test_networks (batch 1) and the memory planner's test
+        # default run through test_networks (batch 1)
         pytest.param("googlenet", marks=pytest.mark.slow),
     ],
 )

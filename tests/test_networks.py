@@ -73,8 +73,9 @@ def built() -> Callable[[str], _Built]:
 # (mobilenet_v2), hardswish/hardsigmoid and squeeze-excitation multiplies
 # (mobilenet_v3_small), channel shuffle and chunk (shufflenet_v2_x1_0), fire-module concats
 # and ceil-mode pools (squeezenet1_1), inception concats with pools in front (googlenet).
-# Every one of the eleven also runs end to end at batch 1 in the default run through
-# tests/test_memory_planner.py::test_networks_match_pytorch_with_planning.
+# Five of the eleven also run end to end at batch 1 with the buffer planner in the default
+# run (tests/test_memory_planner.py::test_networks_match_pytorch_with_planning; the larger
+# six there are slow).
 DEFAULT_RUN = (
     "resnet18",
     "mobilenet_v2",
