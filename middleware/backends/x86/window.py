@@ -743,9 +743,7 @@ class SeparableWriter:
             for j in range(block):
                 v = self.vec("c", f"(cb_ + {LANES * j})")
                 v.mask = masks[j]
-                lines = self.ring_rows(v, q[i][j], guarded)
-                if v.stride2:
-                    raise Unsupported("a stride-2 load in the row pass")
+                lines = self.row_body(v, self.row_width(), guarded, f"{q[i][j]} = r_;")
                 self.emit(depth + 2, "{")
                 for line in lines:
                     self.emit(depth + 3, line)
@@ -782,40 +780,6 @@ class SeparableWriter:
             self.emit(dd + 1, "}")
         self.emit(dd, "}")
         self.emit(d, "}")
-
-    def ring_rows(self, v: VecExpr, dst: str, guarded: bool) -> list[str]:
-        """The window rows of one ring column reduced into ``dst`` (max/min: each value
-        the row before did not read tested for NaN into ``nb_``)."""
-        p, rows = self.p, self.p.rows
-        out: list[str] = []
-        if not guarded:
-            # the software prefetch of the rows ahead: without it the ring waits on memory
-            # (concat -> 3x3/1 max-pool from DRAM, one core: 74% of the streaming kernel,
-            # 96% with it)
-            out += self.prefetches(v, self.row_width())
-            names = []
-            for k in range(rows.k0, rows.k1 + 1):
-                out.append(f"const __m512 y{k - rows.k0}_ = {self.row_tap(v, Int(k))};")
-                names.append(f"y{k - rows.k0}_")
-            # the rows the output row before read too: tested in the first output row of
-            # the h loop only
-            fresh = self.fresh(names)
-            stale = [x for x in names if x not in fresh]
-            self.reduce(names, out, "r_", check=fresh, first=stale)
-        else:
-            row = to_c(_subst(rows.index, {rows.kvar: Var("k_")}))
-            out.append(f"__m512 r_ = _mm512_set1_ps({self.identity()});")
-            out.append(f"for (int k_ = {rows.k0}; k_ <= {rows.k1}; ++k_) {{")
-            out.append(f"  if (({row}) < 0 || ({row}) > {rows.size - 1}) continue;")
-            out.append(f"  const __m512 y_ = {self.row_tap(v, Var('k_'))};")
-            if p.op == "sum":
-                out.append("  r_ = _mm512_add_ps(r_, y_);")
-            else:
-                out.append(f"  r_ = _mm512_{p.op}_ps(r_, y_);")
-                out.append("  nb_ |= _mm512_cmp_ps_mask(y_, y_, _CMP_UNORD_Q);")
-            out.append("}")
-        out.append(f"{dst} = r_;")
-        return out
 
     def finish(self, v: VecExpr, staged: bool) -> list[str]:
         """From the reduced chunk ``t_``: the division, the stage's epilogue, the store
@@ -860,7 +824,7 @@ class SeparableWriter:
             self.emit(d + 3, "const __mmask16 mk = mw_range(0, hi_c_ - c0_);")
             v = self.vec("c", "c0_")
             dst = f"&{self.buf}[({cols.pad} + {XVAR}) * {cw} + c0_ - lo_c_]"
-            for line in self.row_body(v, dst, cw, guarded):
+            for line in self.row_body(v, cw, guarded, f"_mm512_mask_storeu_ps({dst}, mk, r_);"):
                 self.emit(d + 3, line)
             self.close(d + 1, d + 3)
             self.emit(d + 1, "for (int c0_ = lo_c_; c0_ <= hi_c_; c0_ += 16) {")
@@ -913,21 +877,27 @@ class SeparableWriter:
         v, dst, dd = self.row_loop(d, cw)
         if dst_row is not None:
             dst = f"&{self.buf}[{pad} + {dst_row} + {XVAR}0_]"
-        for line in self.row_body(v, dst, cw, guarded):
+        for line in self.row_body(v, cw, guarded, f"_mm512_mask_storeu_ps({dst}, mk, r_);"):
             self.emit(dd, line)
         self.close(d, dd)
 
-    def row_body(self, v: VecExpr, dst: str, cw: int, guarded: bool) -> list[str]:
+    def row_body(self, v: VecExpr, cw: int, guarded: bool, store: str) -> list[str]:
         """One chunk of the row pass: the producer on each window row (``guarded``: only
-        the rows inside the input), reduced, stored at ``dst``."""
+        the rows inside the input), reduced into ``r_`` (the fast form: each value the
+        output row before did not read tested for NaN into ``nb_``), then ``store``."""
         p, rows = self.p, self.p.rows
         out: list[str] = []
         if not guarded:
+            # the software prefetch of the rows ahead: without it the channels_last ring
+            # waits on memory (concat -> 3x3/1 max-pool from DRAM, one core: 74% of the
+            # streaming kernel, 96% with it)
             out += self.prefetches(v, cw)
             names = []
             for k in range(rows.k0, rows.k1 + 1):
                 out.append(f"const __m512 y{k - rows.k0}_ = {self.row_tap(v, Int(k))};")
                 names.append(f"y{k - rows.k0}_")
+            # the rows the output row before read too: tested in the first output row of
+            # the h loop only
             fresh = self.fresh(names)
             stale = [x for x in names if x not in fresh]
             self.reduce(names, out, "r_", check=fresh, first=stale)
@@ -945,7 +915,7 @@ class SeparableWriter:
             out.append("}")
         if v.stride2:
             raise Unsupported("a stride-2 load in the row pass")
-        out.append(f"_mm512_mask_storeu_ps({dst}, mk, r_);")
+        out.append(store)
         return out
 
     def prefetches(self, v: VecExpr, cw: int) -> list[str]:
