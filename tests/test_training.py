@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -129,19 +130,25 @@ class Chain(nn.Module):
         return self.b(F.hardswish(torch.sigmoid(y) * y + 0.5))
 
 
-def test_generated_group_is_one_autograd_function_saving_its_inputs() -> None:
-    """The backward graph holds one node per fused group (not one per op inside it)."""
-    model = nondegenerate(Chain()).train()
-    optimized = check_training_matches(model, torch.randn(2, 3, 10, 10), layout="nchw")
-    out = optimized(torch.randn(2, 3, 10, 10, requires_grad=True))
-    names, todo, seen = [], [out.grad_fn], set()
+def _autograd_nodes(out: torch.Tensor) -> list[Any]:
+    """Every node of the backward graph reachable from ``out``, each once."""
+    found, todo, seen = [], [out.grad_fn], set()
     while todo:
         fn = todo.pop()
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        names.append(type(fn).__name__)
+        found.append(fn)
         todo += [f for f, _ in fn.next_functions]
+    return found
+
+
+def test_generated_group_is_one_autograd_function_saving_its_inputs() -> None:
+    """The backward graph holds one node per fused group (not one per op inside it)."""
+    model = nondegenerate(Chain()).train()
+    optimized = check_training_matches(model, torch.randn(2, 3, 10, 10), layout="nchw")
+    out = optimized(torch.randn(2, 3, 10, 10, requires_grad=True))
+    names = [type(fn).__name__ for fn in _autograd_nodes(out)]
     assert any("GroupFunction" in n for n in names), names
     assert not any(n.startswith(("HardswishBackward", "SigmoidBackward")) for n in names), names
 
@@ -166,16 +173,11 @@ class ResidualSum(nn.Module):
 
 def _group_saves(out: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """The tensors each fused group reachable from ``out`` saved for backward."""
-    found, todo, seen = [], [out.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if "GroupFunction" in type(fn).__name__:
-            found.append(tuple(fn.saved_tensors))
-        todo += [f for f, _ in fn.next_functions]
-    return found
+    return [
+        tuple(fn.saved_tensors)
+        for fn in _autograd_nodes(out)
+        if "GroupFunction" in type(fn).__name__
+    ]
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
