@@ -72,8 +72,14 @@ def recompute_backward() -> Iterator[None]:
     """Training plans built inside derive no generated backward (``recompute`` engine)."""
     real = training.backward_kernels
 
-    def none(backend: Any, graph: Any, fused: dict, options: Any, hardware: Any) -> dict:
-        return {key: (None, "generated backward off (bench/train.py recompute)") for key in fused}
+    def none(
+        backend: Any, graph: Any, fused: dict, options: Any, hardware: Any, skip: Any = ()
+    ) -> dict:
+        return {
+            key: (None, "generated backward off (bench/train.py recompute)")
+            for key in fused
+            if key not in skip
+        }
 
     training.backward_kernels = none  # type: ignore[assignment]
     try:

@@ -37,7 +37,7 @@ import concurrent.futures
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -567,8 +567,11 @@ def compile_training(
         fused, failed = fusion_units(backend, graph, options, hardware, why)
         why.update(failed)
     _drop_unusable(graph, fused, why, owned)
-    backward = backward_kernels(backend, graph, fused, options, hardware)
-    plan = _assemble(graph, fused, why, constants, device, backward)
+    from_output = {
+        key for key, u in fused.items() if relu_of_sum(graph, u.nodes, u.inputs, u.outputs)
+    }
+    backward = backward_kernels(backend, graph, fused, options, hardware, skip=from_output)
+    plan = _assemble(graph, fused, why, constants, device, backward, from_output)
     return graph, plan, make_report(graph, plan, hardware)
 
 
@@ -696,10 +699,11 @@ def backward_kernels(
     fused: dict[str, Any],
     options: Options,
     hardware: Hardware,
+    skip: Collection[str] = (),
 ) -> dict[str, tuple[GeneratedBackward | None, str]]:
-    """Per generated group (keyed as ``fused``): its generated backward, or None and why
-    its backward recomputes through PyTorch. The kernels build from a thread pool, as the
-    forward groups do (``fusion_units``)."""
+    """Per generated group (keyed as ``fused``, but those in ``skip``): its generated
+    backward, or None and why its backward recomputes through PyTorch. The kernels build
+    from a thread pool, as the forward groups do (``fusion_units``)."""
     result: dict[str, tuple[GeneratedBackward | None, str]] = {}
     todo: list[tuple[str, Gradient]] = []  # (group key, a distinct gradient to build)
     derived: dict[str, Backward] = {}
@@ -707,8 +711,8 @@ def backward_kernels(
         if len(u.outputs) != 1:
             result[key] = (None, f"{len(u.outputs)} outputs")
             continue
-        if relu_of_sum(graph, u.nodes, u.inputs, u.outputs):
-            continue  # ReLU's backward from the saved output (``_assemble``)
+        if key in skip:
+            continue
         try:
             derived[key] = differentiate(graph, u.nodes, u.inputs, u.outputs[0])
         except NotFusable as e:
@@ -788,7 +792,10 @@ def _assemble(
     constants: dict[str, torch.Tensor],
     device: torch.device,
     backward: dict[str, tuple[GeneratedBackward | None, str]],
+    from_output: Collection[str] = (),
 ) -> TrainingPlan:
+    """The plan's steps (``from_output``: the fused groups that save their output, a ReLU
+    of a sum, instead of their inputs)."""
     slot_of: dict[str, int] = {}
 
     def slot(v: str) -> int:
@@ -806,7 +813,7 @@ def _assemble(
         if n.name in fused:
             u = fused[n.name]
             bwd, bwd_why = backward.get(n.name, (None, "not derived"))
-            ros = relu_of_sum(graph, u.nodes, u.inputs, u.outputs)
+            ros = n.name in from_output
             group = FusedGroup.of(graph, u.name, u.fn, u.inputs, u.outputs, u.nodes, bwd, ros)
             note = RELU_OF_SUM_NOTE if ros else backward_note(bwd, bwd_why)
             units.append(
@@ -850,30 +857,31 @@ def _assemble(
     for v in graph.output_values():
         slot(v)
     plan = TrainingPlan(graph, steps, slot_of, const_slots, state)
-    plan.notes = backward_summary(fused, backward)
+    plan.notes = backward_summary(fused, backward, from_output)
     return plan
 
 
 def backward_summary(
-    fused: dict[str, Any], backward: dict[str, tuple[GeneratedBackward | None, str]]
+    fused: dict[str, Any],
+    backward: dict[str, tuple[GeneratedBackward | None, str]],
+    from_output: Collection[str] = (),
 ) -> tuple[str, ...]:
-    """The report's note on the fused groups' backward: how many are generated, and the
-    reasons of the others (counted)."""
+    """The report's note on the fused groups' backward: how many are generated, how many
+    backpropagate from their saved output (``from_output``), and the reasons of the
+    others (counted)."""
     if not fused:
         return ()
     why: dict[str, int] = {}
-    from_output = 0
     for key in fused:
-        if key not in backward:  # a ReLU of a sum: from its saved output
-            from_output += 1
+        if key in from_output:
             continue
-        bwd, reason = backward[key]
+        bwd, reason = backward.get(key, (None, "not derived"))
         if bwd is None:
             why[reason] = why.get(reason, 0) + 1
-    done = len(fused) - sum(why.values()) - from_output
+    done = len(fused) - sum(why.values()) - len(from_output)
     text = f"backward of fused groups: {done} of {len(fused)} generated"
     if from_output:
-        text += f", {from_output} ReLU of a sum from its saved output"
+        text += f", {len(from_output)} ReLU of a sum from its saved output"
     if why:
         text += "; PyTorch recompute for " + "; ".join(f"{n}: {r}" for r, n in why.items())
     return (text,)
