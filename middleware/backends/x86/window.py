@@ -476,7 +476,7 @@ class SeparableWriter:
         out_h, out_w = b.shape[2], b.shape[3]
         total = out_h * out_w
         chunks = -(-total // LANES)
-        if isinstance(p.divisor, np.ndarray) and not self.fast:
+        if isinstance(p.divisor, np.ndarray):
             vals = ", ".join(self.w.c_float(float(x)) for x in p.divisor.reshape(-1))
             self.decls.append(f"static const float {self.div}[{p.divisor.size}] = {{{vals}}};")
 
@@ -656,11 +656,11 @@ class SeparableWriter:
         staged = self.staged()
         inside = f"({ra}) >= 0 && ({rb}) <= {rows.size - 1}"
 
-        def rows_of(depth: int, fast: str, exact: bool) -> None:
-            """The row, by the fast form (``fast``: the condition for its unguarded
-            variant) or the exact one."""
+        def rows_of(depth: int, exact: bool) -> None:
+            """The row, by the fast form or the exact one (each unguarded where every
+            window row is inside the input)."""
             self.fast = not exact
-            self.emit(depth, f"if ({fast}) {{")
+            self.emit(depth, f"if ({inside}) {{")
             for guarded in (False, True):
                 if ring and not exact:
                     self.ring(depth + 1, guarded=guarded)
@@ -672,7 +672,7 @@ class SeparableWriter:
             self.fast = False
 
         if not checked:
-            rows_of(d, inside, exact=not ring)
+            rows_of(d, exact=not ring)
         else:
             # Max/min: the fast form tests the window rows for NaN into the tile's sticky
             # flag (the first output row of the stage's h loop, ``first_``, and every
@@ -683,13 +683,13 @@ class SeparableWriter:
             self.emit(d, f"if (!{self.bad}) {{")
             self.emit(d + 1, "__mmask16 nb_ = 0;")
             self.emit(d + 1, f"const int first_ = h == ({first_row});")
-            rows_of(d + 1, inside, exact=False)
+            rows_of(d + 1, exact=False)
             self.emit(d + 1, f"{self.bad} |= nb_;")
             self.emit(d, "}")
             self.emit(d, f"if ({self.bad}) {{")
             if ring:
                 self.emit(d + 1, f"if (!{self.buf}ok_) {{ {init} {self.buf}ok_ = 1; }}")
-            rows_of(d + 1, inside, exact=True)
+            rows_of(d + 1, exact=True)
             self.emit(d, "}")
         if staged:
             b = self.w.s.buffer(st.target)
@@ -767,13 +767,9 @@ class SeparableWriter:
             v = self.vec("c", f"(cb_ + {LANES * j})")
             self.emit(dd + 1, "{")
             self.emit(dd + 2, f"const __mmask16 mk = {masks[j]};")
-            out: list[str] = []
-            if p.op == "sum":
-                out.append(f"__m512 t_ = {q[0][j]};")
-                out += [f"t_ = _mm512_add_ps(t_, {q[i][j]});" for i in range(1, span)]
-            else:
-                out.append(f"__m512 t_ = {q[0][j]};")
-                out += [f"t_ = _mm512_{p.op}_ps(t_, {q[i][j]});" for i in range(1, span)]
+            fn = "add" if p.op == "sum" else p.op  # no NaN blends: see ``write``
+            out = [f"__m512 t_ = {q[0][j]};"]
+            out += [f"t_ = _mm512_{fn}_ps(t_, {q[i][j]});" for i in range(1, span)]
             out += self.finish(v, staged=False)
             for line in out:
                 self.emit(dd + 2, line)
