@@ -73,6 +73,11 @@ class Options:
     # batched GEMM, 2-2.5x faster on large layers, within ~1e-5 of the output's scale per
     # layer. False keeps every convolution in oneDNN's direct algorithm.
     winograd: bool = True
+    # On CPU, vendor convolutions run as oneDNN primitives created once at plan time and
+    # executed directly (backends/vendor/onednn.py: PyTorch's own oneDNN through its C API),
+    # instead of through torch.ops.mkldnn, whose per-call setup is most of a small layer's
+    # time. Same library, same kernels; False keeps the torch.ops.mkldnn call.
+    onednn_primitives: bool = True
     # Per-layer algorithm choice, per op: {"conv2d": selector}, the selector a name (every
     # conv2d layer), a list of names (the i-th conv2d layer in graph order gets the i-th;
     # "default" lets the middleware decide) or a callable (layer) -> name

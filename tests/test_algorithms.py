@@ -528,15 +528,19 @@ def test_max_extra_bytes_is_the_old_name_of_max_extra_param_bytes():
 
 
 def test_the_default_runs_depthwise_layers_direct_at_batch_one(tmp_path):
-    """The measured rule (bench/depthwise.py): a depthwise convolution at batch 1 runs the
-    generated direct kernel, at batch 2 and more oneDNN's; a dense one stays oneDNN's."""
+    """The measured rule (bench/depthwise.py): where oneDNN is called through
+    torch.ops.mkldnn, a depthwise convolution at batch 1 runs the generated direct kernel,
+    at batch 2 and more oneDNN's; a dense one stays oneDNN's. As oneDNN primitives created
+    once, oneDNN's runs it at every batch."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.ReLU(), nn.Conv2d(16, 8, 1)
     ).eval()
-    for batch, want in ((1, "direct"), (2, "vendor")):
+    for batch, prims, want in ((1, False, "direct"), (2, False, "vendor"), (1, True, "vendor")):
         x = torch.randn(batch, 16, 12, 12)
-        opt = middleware.optimize(model, example_inputs=(x,), cache_dir=tmp_path)
+        opt = middleware.optimize(
+            model, example_inputs=(x,), cache_dir=tmp_path, onednn_primitives=prims
+        )
         with torch.no_grad():
             y, ref = opt(x), model(x)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))

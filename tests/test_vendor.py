@@ -230,4 +230,10 @@ def test_compiler_runs_conv_and_linear_through_vendor_kernels(tmp_path):
     opt = middleware.optimize(model, cache_dir=tmp_path, measure_hardware=False)
     _close(opt(x), model(x).detach())
     names = {st.fn.__name__ for st in opt.plan.steps}
-    assert {"conv_post", "linear_onednn"} <= names
+    assert {"conv_onednn", "linear_onednn"} <= names  # a oneDNN primitive created once
+    opt = middleware.optimize(
+        model, cache_dir=tmp_path, measure_hardware=False, onednn_primitives=False
+    )
+    _close(opt(x), model(x).detach())
+    names = {st.fn.__name__ for st in opt.plan.steps}
+    assert {"conv_post", "linear_onednn"} <= names  # through torch.ops.mkldnn

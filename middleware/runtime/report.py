@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from ..backends.vendor import ALGORITHMS
+from ..backends.vendor import ALGORITHMS, primitives_note
 from ..enums import Bound, RunsAs
 from ..graph import Graph, Node
 from ..hardware import Hardware
@@ -294,6 +294,9 @@ def make_report(graph: Graph, plan: Any, hardware: Hardware | None = None) -> Re
             + ", ".join(f"{a} {b / 2**20:.2f}" for a, b in sorted(by.items()))
             + ")",
         )
+    prims = primitives_note(plan.steps)
+    if prims:
+        notes += (prims,)
     asked = [r for r in rows if "algorithms= asked for" in r.reason]
     if asked:
         notes += (

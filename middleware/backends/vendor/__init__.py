@@ -7,7 +7,9 @@ post-ops on CPU, cuDNN/cuBLAS on CUDA); ``winograd.py``: Winograd F(4x4,3x3) on 
 F(2x2,3x3), its transforms generated from its matrices; ``im2col.py``: im2row + GEMM;
 ``algorithms.py``: each op's algorithms as data (vendor, winograd_f4x4, im2col_gemm,
 winograd_f2x2, user ones) and the per-layer choice (:func:`choose`: a name, "default",
-"autotune" or "auto"); ``tuning.py``: autotuning and its stored decisions.
+"autotune" or "auto"); ``tuning.py``: autotuning and its stored decisions;
+``onednn.py``: CPU convolutions as oneDNN primitives created once (PyTorch's own oneDNN
+through its C API), with ``primitives_note`` for the report.
 """
 
 from .algorithms import (
@@ -24,6 +26,7 @@ from .algorithms import (
     vendor_call,
 )
 from .calls import ONEDNN_DTYPES, vendor_kernel
+from .onednn import primitives_note
 
 __all__ = [
     "ALGORITHMS",
@@ -35,6 +38,7 @@ __all__ = [
     "check_selection",
     "choose",
     "layer_indices",
+    "primitives_note",
     "register_algorithm",
     "unregister_algorithm",
     "vendor_call",

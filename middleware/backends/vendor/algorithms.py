@@ -65,7 +65,7 @@ from ...version import __version__
 from ..interface import held_inputs
 from ..x86.build import load_shared
 from ..x86.compile import build_c
-from . import direct, flash, gemv, tuning
+from . import direct, flash, gemv, onednn, tuning
 from . import winograd as wg
 from . import winograd_f2 as wg2
 from .calls import (
@@ -170,7 +170,7 @@ def _vendor_applies(graph: Graph, node: Node, device: torch.device, options: Opt
 def _vendor_build(
     graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
 ) -> Kernel | None:
-    return vendor_kernel(graph, node, device, hardware)
+    return vendor_kernel(graph, node, device, hardware, options)
 
 
 # ---------------------------------------------------------------------- winograd
@@ -616,8 +616,9 @@ def _usable(
 # shufflenet_v2_x1_0) and 1.05-1.13x at batch 16; a rerun timed by zoo.timed_blocks
 # (bench/results/depthwise_cpu.md): 0.88-0.97x and 1.01-1.16x.
 DIRECT_DEPTHWISE_REASON = (
-    "direct (depthwise at batch 1): measured faster than oneDNN's depthwise call there "
-    "(bench/depthwise.py); at larger batches oneDNN's is"
+    "direct (depthwise at batch 1): measured faster than oneDNN's depthwise call through "
+    "torch.ops.mkldnn there (bench/depthwise.py); at larger batches, and as a oneDNN "
+    "primitive created once (Options.onednn_primitives), oneDNN's is"
 )
 
 
@@ -648,6 +649,7 @@ def default_choice(
         node.op == "conv2d"
         and device.type == "cpu"
         and _depthwise_at_batch_one(graph, node)
+        and (not options.onednn_primitives or onednn.unavailable(options) is not None)
         and _usable(DIRECT, graph, node, device, options) is None
     ):
         fn = DIRECT.build(graph, node, device, options, hardware)
@@ -657,7 +659,7 @@ def default_choice(
         return None
     if node.op == SDPA:
         return Choice(get_op(node.op).bind(node), SDPA_VENDOR.name, SDPA_DEFAULT_REASON)
-    fn = vendor_kernel(graph, node, device, hardware)
+    fn = vendor_kernel(graph, node, device, hardware, options)
     return None if fn is None else Choice(fn, VENDOR.name, "")
 
 

@@ -73,9 +73,10 @@ def c_build_request(
     meta: Mapping[str, Any] | None = None,
     key_extra: tuple[str, ...] = (),
     cc: str | None = None,
+    flags: tuple[str, ...] = (),
 ) -> BuildRequest:
     """A request compiling OpenMP C ``source`` into ``kernel.so`` with
-    ``<cc> -O3 -march=native -fopenmp -shared -fPIC -o {out} {src} -lm``.
+    ``<cc> -O3 -march=native -fopenmp -shared -fPIC <flags> -o {out} {src} -lm``.
 
     ``key_extra`` should carry the options that changed the source (``codegen_key()``); the
     host's CPU (:func:`host_id`) is added because of ``-march=native``.
@@ -85,7 +86,7 @@ def c_build_request(
         name=name,
         source=source,
         suffix=".c",
-        command=(compiler, *C_FLAGS, "-o", "{out}", "{src}", "-lm"),
+        command=(compiler, *C_FLAGS, *flags, "-o", "{out}", "{src}", "-lm"),
         binary_name="kernel.so",
         compiler=compiler,
         key_extra=(*key_extra, host_id()),

@@ -59,10 +59,11 @@ def build_c(
     cache_dir: Path,
     key_extra: tuple[str, ...] = (),
     meta: dict[str, Any] | None = None,
+    flags: tuple[str, ...] = (),
 ) -> Built:
     """Compile ``source`` (or find it in the cache); raises CompileError with the compiler's
-    stderr, the command and the source path."""
-    req = c_build_request(name, source, meta=meta or {}, key_extra=key_extra)
+    stderr, the command and the source path. ``flags``: extra compiler flags (``-I``)."""
+    req = c_build_request(name, source, meta=meta or {}, key_extra=key_extra, flags=flags)
     return _build(req, cache_dir)
 
 

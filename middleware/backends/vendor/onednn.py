@@ -1,0 +1,532 @@
+"""oneDNN convolution primitives created once at plan time and executed directly.
+
+The ``vendor`` convolution through ``torch.ops.mkldnn._convolution_pointwise`` pays a fixed
+cost at every call that is most of a small layer's time (bench/results/overhead_cpu.md:
+ideep builds memory descriptors, a primitive attribute and a scratchpad and allocates at
+every call; about 60 us quiet where the convolution itself takes 3-5 us). Here the same
+library, PyTorch's own oneDNN, is called through its C API: the primitive (the same
+convolution with the same post-ops: oneDNN picks the same kernel) is created once, its
+weight reordered once into a framework tensor, the scratchpad the calling thread's (a
+framework tensor too), and a call is a few ``dnnl_memory_set_data_handle`` and one
+``dnnl_primitive_execute`` (``x86/templates/onednn_conv.c.j2``).
+
+PyTorch links oneDNN statically and exports none of its C API, but ships its headers and
+an unstripped ``libtorch_cpu``: :func:`api_addresses` reads the functions' offsets from the
+library's ELF symbol table and adds the address the library is loaded at. Where anything of
+that is missing (a stripped build, another version than the headers', a failed compile),
+:func:`direct_conv` returns None and the ideep call runs, with the reason in
+:func:`unavailable`.
+
+A source laid out otherwise than the dense one the primitive was built for (a channel
+slice of a split, an NCHW image into a channels_last network) gets a primitive of its own,
+built on first use, or is made dense first where oneDNN has no fast kernel for it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...errors import CompileError
+from ...graph import Graph, Node
+from ...options import Options
+from ..x86.build import load_shared
+from ..x86.compile import build_c
+from ..x86.render import environment
+
+Kernel = Callable[..., Any]
+
+# PyTorch's mkldnn post-op names (calls.OneDnnPostOp.attr, with its scalars and algorithm)
+# as oneDNN eltwise algorithms and their (alpha, beta), as PyTorch's own mapping gives them
+# (aten/src/ATen/native/mkldnn/Utils.cpp, fusion_unary_attr_map)
+ELTWISE: dict[str, Callable[[tuple[float, ...], str], tuple[str, float, float]]] = {
+    "relu": lambda s, a: ("relu", 0.0, 0.0),
+    "leaky_relu": lambda s, a: ("relu", s[0], 0.0),
+    "hardtanh": lambda s, a: ("clip", s[0], s[1]),
+    "hardswish": lambda s, a: ("hardswish", 1.0 / 6.0, 0.5),
+    "hardsigmoid": lambda s, a: ("hardsigmoid", 1.0 / 6.0, 0.5),
+    "swish": lambda s, a: ("swish", 1.0, 0.0),
+    "sigmoid": lambda s, a: ("logistic", 0.0, 0.0),
+    "tanh": lambda s, a: ("tanh", 0.0, 0.0),
+    "gelu": lambda s, a: ("gelu_tanh" if a == "tanh" else "gelu_erf", 0.0, 0.0),
+}
+
+
+def _torch_cpu_library() -> Path:
+    return Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+
+
+def _header() -> Path:
+    return Path(torch.__file__).parent / "include" / "oneapi" / "dnnl" / "dnnl.h"
+
+
+_SYM = np.dtype(
+    [("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
+     ("value", "<u8"), ("size", "<u8")]
+)  # fmt: skip
+_SECTION = np.dtype(
+    [("name", "<u4"), ("type", "<u4"), ("flags", "<u8"), ("addr", "<u8"), ("offset", "<u8"),
+     ("size", "<u8"), ("link", "<u4"), ("info", "<u4"), ("align", "<u8"), ("entsize", "<u8")]
+)  # fmt: skip
+
+
+def elf_function_offsets(path: Path, names: list[str]) -> dict[str, int]:
+    """The offsets (``st_value``) of the defined functions ``names`` in the ELF symbol table
+    (``.symtab``, local symbols included) of the shared library at ``path``; a name that is
+    missing is absent from the result."""
+    with open(path, "rb") as f:
+
+        def read(offset: int, size: int) -> bytes:
+            f.seek(offset)
+            return f.read(size)
+
+        ident = read(0, 64)
+        if ident[:4] != b"\x7fELF" or ident[4] != 2:
+            return {}
+        shoff = int.from_bytes(ident[0x28:0x30], "little")
+        shnum = int.from_bytes(ident[0x3C:0x3E], "little")
+        heads = np.frombuffer(read(shoff, 64 * shnum), dtype=_SECTION)
+        found: dict[str, int] = {}
+        for sec in heads[heads["type"] == 2]:  # SHT_SYMTAB
+            strs = heads[int(sec["link"])]
+            table = read(int(strs["offset"]), int(strs["size"]))
+            syms = np.frombuffer(read(int(sec["offset"]), int(sec["size"])), dtype=_SYM)
+            funcs = syms[((syms["info"] & 0xF) == 2) & (syms["shndx"] != 0)]  # defined FUNC
+            # one pass over the string table for every name (a name may also be the tail of
+            # a longer string; only a whole one, after a NUL, is the symbol's own)
+            pattern = re.compile(
+                b"\\0(" + b"|".join(re.escape(n.encode()) for n in names) + b")\\0"
+            )
+            starts: dict[int, str] = {
+                m.start(1): m.group(1).decode() for m in pattern.finditer(table)
+            }
+            hit = funcs[np.isin(funcs["name"], np.fromiter(starts, dtype=np.uint32))]
+            for sym in hit:
+                found.setdefault(starts[int(sym["name"])], int(sym["value"]))
+        return found
+
+
+def _load_base(path: Path) -> int | None:
+    """Where the library at ``path`` is mapped in this process (its first mapping, file
+    offset 0), or None."""
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and os.path.realpath(parts[5]) == real and int(parts[2], 16) == 0:
+                return int(parts[0].split("-")[0], 16)
+    return None
+
+
+_API = (
+    "dnnl_engine_create dnnl_stream_create dnnl_memory_desc_create_with_strides "
+    "dnnl_memory_desc_create_with_tag dnnl_memory_desc_destroy dnnl_memory_desc_get_size "
+    "dnnl_memory_desc_equal "
+    "dnnl_memory_create dnnl_memory_destroy dnnl_memory_set_data_handle "
+    "dnnl_primitive_attr_create dnnl_primitive_attr_destroy dnnl_primitive_attr_set_post_ops "
+    "dnnl_primitive_attr_set_scratchpad_mode dnnl_post_ops_create dnnl_post_ops_destroy "
+    "dnnl_post_ops_append_eltwise dnnl_post_ops_append_binary dnnl_post_ops_append_sum "
+    "dnnl_convolution_forward_primitive_desc_create dnnl_primitive_desc_query_md "
+    "dnnl_primitive_desc_query "
+    "dnnl_primitive_desc_destroy dnnl_primitive_create dnnl_primitive_destroy "
+    "dnnl_primitive_execute dnnl_reorder_primitive_desc_create dnnl_stream_wait dnnl_version"
+).split()  # the order of API() in onednn_conv.c.j2
+
+
+def api_addresses(cache_dir: Path | None = None) -> list[int] | str:
+    """The addresses of the oneDNN C API functions this module calls, in PyTorch's loaded
+    oneDNN, or the reason they cannot be found. The offsets are kept in ``cache_dir``
+    under the library's path, size and modification time (reading a 400 MB library's
+    symbol table takes most of a second)."""
+    lib = _torch_cpu_library()
+    if not lib.exists():
+        return f"no {lib}"
+    base = _load_base(lib)
+    if base is None:
+        return f"{lib.name} is not mapped in this process"
+    offsets = _cached_offsets(lib, cache_dir)
+    missing = [n for n in _API if n not in offsets]
+    if missing:
+        return f"{lib.name} has no symbol table entry for {missing[0]} (a stripped build?)"
+    return [base + offsets[n] for n in _API]
+
+
+def _cached_offsets(lib: Path, cache_dir: Path | None) -> dict[str, int]:
+    st = lib.stat()
+    key = f"{os.path.realpath(lib)}|{st.st_size}|{st.st_mtime_ns}|{' '.join(_API)}"
+    path = None if cache_dir is None else Path(cache_dir) / "onednn_symbols.json"
+    if path is not None:
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key:
+                return {k: int(v) for k, v in stored["offsets"].items()}
+        except (OSError, ValueError, KeyError, AttributeError):
+            pass
+    offsets = elf_function_offsets(lib, _API)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": key, "offsets": offsets}))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache: read the table again next time
+    return offsets
+
+
+class _Library:
+    """The compiled shim, bound to PyTorch's oneDNN."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.create = lib.mw_conv_create
+        self.create.restype = ctypes.c_void_p
+        self.create.argtypes = [
+            ctypes.POINTER(ctypes.c_long), ctypes.c_char_p, ctypes.c_float, ctypes.c_float,
+            ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+        ]  # fmt: skip
+        self.bytes = lib.mw_conv_bytes
+        self.bytes.restype = ctypes.c_long
+        self.bytes.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self.impl = lib.mw_conv_impl
+        self.impl.restype = ctypes.c_char_p
+        self.impl.argtypes = [ctypes.c_void_p]
+        self.prepare = lib.mw_conv_prepare
+        self.prepare.restype = ctypes.c_int
+        self.prepare.argtypes = [ctypes.c_void_p] * 5
+        self.same_weights = lib.mw_conv_same_weights
+        self.same_weights.restype = ctypes.c_int
+        self.same_weights.argtypes = [ctypes.c_void_p] * 2
+        self.destroy = lib.mw_conv_destroy
+        self.destroy.restype = None
+        self.destroy.argtypes = [ctypes.c_void_p]
+        self.run = lib.mw_conv_run
+        self.run.restype = ctypes.c_int
+        self.run.argtypes = [ctypes.c_void_p] * 5
+
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _library(cache_dir: Path) -> _Library | str:
+    """The shim, compiled and bound once per process, or why it is not available. Every
+    kernel cache it is asked under gets the binary too (one copy is loaded and bound), so a
+    later process on that cache compiles nothing."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"] = _bind(cache_dir)
+            _state["caches"] = {str(cache_dir)}
+        elif str(cache_dir) not in _state.setdefault("caches", set()):
+            _state["caches"].add(str(cache_dir))
+            if not isinstance(_state["lib"], str):
+                try:
+                    _build_shim(cache_dir)
+                except CompileError:
+                    pass  # the bound copy still serves this process
+        return _state["lib"]
+
+
+def _build_shim(cache_dir: Path) -> Any:
+    """The shim's binary in ``cache_dir`` (compiled there if missing); raises CompileError."""
+    header = _header()
+    src = environment().get_template("onednn_conv.c.j2").render(header=str(header))
+    return build_c(
+        "onednn_conv",
+        src,
+        cache_dir,
+        key_extra=(torch.__version__,),
+        flags=(f"-I{header.parent.parent.parent}",),
+    )
+
+
+def _bind(cache_dir: Path) -> _Library | str:
+    if not torch.backends.mkldnn.is_available():
+        return "PyTorch was built without oneDNN"
+    header = _header()
+    if not header.exists():
+        return f"PyTorch ships no oneDNN headers ({header})"
+    table = api_addresses(cache_dir)
+    if isinstance(table, str):
+        return table
+    try:
+        built = _build_shim(cache_dir)
+    except CompileError as e:
+        return f"the oneDNN shim failed to compile ({e.source_path})"
+    lib = load_shared(built.binary)
+    if lib.mw_api_count() != len(_API):
+        return "the oneDNN shim and its symbol list disagree"
+    arr = (ctypes.c_void_p * len(table))(*table)
+    version = lib.mw_bind(arr)
+    if version < 0:
+        return f"PyTorch's oneDNN is not the version of its headers (mw_bind: {version})"
+    return _Library(lib)
+
+
+def unavailable(options: Options) -> str | None:
+    """None where direct oneDNN primitives can be built in this process, else why not."""
+    lib = _library(options.cache_dir)
+    return lib if isinstance(lib, str) else None
+
+
+def primitives_note(steps: Sequence[Any]) -> str | None:
+    """The report's note on how the CPU vendor convolutions among ``steps`` (a plan's) call
+    oneDNN: as primitives created once, or through ``torch.ops.mkldnn`` and why."""
+    with_prims = sum(1 for st in steps if hasattr(st.fn, "primitives"))
+    if with_prims:
+        return (
+            f"{with_prims} convolution(s) run as oneDNN primitives created once (PyTorch's "
+            "oneDNN through its C API: no per-call setup); Options(onednn_primitives=False) "
+            "calls torch.ops.mkldnn instead"
+        )
+    why = _state.get("lib")
+    if isinstance(why, str) and any(
+        getattr(st.fn, "__name__", "").startswith("conv_") for st in steps
+    ):
+        return f"vendor convolutions call oneDNN through torch.ops.mkldnn: {why}"
+    return None
+
+
+def direct_conv(
+    graph: Graph,
+    node: Node,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    post: Any,  # calls.OneDnnPostOp: the activation fused into the oneDNN call
+    options: Options,
+) -> Kernel | None:
+    """The CPU conv2d ``node`` (+bias, +residual, then the activation ``post``) as oneDNN
+    primitives created here, once; None where they cannot be built (the caller takes the
+    ideep call). The result takes the node's inputs (``fn(x, w[, b][, residual])``, the
+    weight and bias held, not read) and returns ``act(conv(x) + b + residual)`` in the
+    output's declared layout; with a residual it offers ``into_residual`` (the sum written
+    over the residual), as the ideep call does."""
+    lib = _library(options.cache_dir)
+    if isinstance(lib, str):
+        return None
+    x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    if x_t.rank != 4 or out_t.rank != 4 or x_t.dtype != "float32":
+        return None
+    if post is None or (post.attr != "none" and post.attr not in ELTWISE):
+        return None
+    residual = bool(node.attrs.get("residual", False))
+    a = node.attrs
+    pad = a["padding"]
+    if isinstance(pad, str):
+        return None
+    ph, pw = (int(pad), int(pad)) if isinstance(pad, int) else (int(pad[0]), int(pad[1]))
+    sh, sw = (a["stride"], a["stride"]) if isinstance(a["stride"], int) else a["stride"]
+    dh, dw = (a["dilation"],) * 2 if isinstance(a["dilation"], int) else a["dilation"]
+    groups = int(a["groups"])
+    n, c, h, w = x_t.shape
+    _, k, oh, ow = out_t.shape
+    kh, kw = int(weight.shape[2]), int(weight.shape[3])
+    # oneDNN's right padding: what makes the output size come out
+    pb = (oh - 1) * sh + (kh - 1) * dh + 1 - h - ph
+    pr = (ow - 1) * sw + (kw - 1) * dw + 1 - w - pw
+    src_nhwc = x_t.layout == "nhwc"
+    dst_nhwc = out_t.layout == "nhwc"
+    if residual and graph.values[node.inputs[-1]].layout != out_t.layout:
+        return None
+    # an input in the other layout (the stem's NCHW image into a channels_last network) is
+    # converted by the framework first: oneDNN has only its reference loops for a
+    # convolution that changes the layout
+    convert = src_nhwc != dst_nhwc
+    src_nhwc = dst_nhwc
+    geometry = [n, c, h, w, k, oh, ow, kh, kw, sh, sw, ph, pw, pb, pr, dh - 1, dw - 1, groups,
+                int(src_nhwc), int(dst_nhwc), int(bias is not None)]  # fmt: skip
+    geometry = [int(v) for v in geometry]
+    if post.attr == "none":
+        elt, alpha, beta = "", 0.0, 0.0
+    else:
+        elt, alpha, beta = ELTWISE[post.attr](tuple(post.scalars), post.algorithm)
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    fmt = torch.channels_last if dst_nhwc else torch.contiguous_format
+    shape = tuple(out_t.shape)
+    x_strides = _strides(x_t.shape, src_nhwc)
+    out_strides = _strides(out_t.shape, dst_nhwc)
+    prims = _Primitives(lib, geometry, (elt, alpha, beta), weight, bias)
+    # the dense source's primitives now, which also packs the weight (the plain one is then
+    # let go): a problem oneDNN has no fast kernel for is refused here, at plan time
+    for kind in [1, 2] if residual else [0]:
+        if prims.get(kind, x_strides) is None:
+            prims.close()
+            return None
+    prims.weight = None
+    run = lib.run
+
+    def source(kind: int, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """The primitive for ``x`` as it is laid out, or the dense one and ``x`` made dense
+        (a layout oneDNN refuses, the stem's NCHW image into a channels_last network)."""
+        if not convert:
+            handle = prims.get(kind, x.stride())
+            if handle is not None:
+                return handle, x
+        return prims.dense(kind, x_strides), x.contiguous(memory_format=fmt)
+
+    if not residual:
+
+        def conv_onednn(x, *_rest):
+            y = torch.empty(shape, memory_format=fmt)
+            with prims.busy:  # the step's memory objects and scratchpad: one call at a time
+                handle, x = source(0, x)
+                if run(handle, x.data_ptr(), y.data_ptr(), None, scratch(prims.scratch_bytes)):
+                    raise RuntimeError(f"{node.name}: the oneDNN convolution failed")
+            return y
+
+        fn = conv_onednn
+    else:
+
+        def conv_add_onednn(x, *rest):
+            r = rest[-1]
+            r = r if r.stride() == out_strides else r.contiguous(memory_format=fmt)
+            y = torch.empty(shape, memory_format=fmt)
+            with prims.busy:
+                handle, x = source(1, x)
+                if run(
+                    handle, x.data_ptr(), y.data_ptr(), r.data_ptr(), scratch(prims.scratch_bytes)
+                ):
+                    raise RuntimeError(f"{node.name}: the oneDNN convolution failed")
+            return y
+
+        def conv_add_into_residual_onednn(x, *rest):
+            r = rest[-1]
+            if r.stride() != out_strides:  # not the dense buffer the sum form accumulates into
+                r.copy_(conv_add_onednn(x, *rest))
+                return r
+            with prims.busy:
+                handle, x = source(2, x)
+                if run(handle, x.data_ptr(), r.data_ptr(), None, scratch(prims.scratch_bytes)):
+                    raise RuntimeError(f"{node.name}: the oneDNN convolution failed")
+            return r
+
+        fn = conv_add_onednn
+        fn.into_residual = conv_add_into_residual_onednn  # type: ignore[attr-defined]
+    fn.keep = prims.tensors  # type: ignore[attr-defined]
+    fn.primitives = prims  # type: ignore[attr-defined]
+    weakref.finalize(fn, prims.close)
+    return fn
+
+
+class _Primitives:
+    """The primitives of one convolution node, by (kind, source strides): kind 0 plain,
+    1 a binary add of the residual, 2 the residual accumulated into (sum); each built on
+    first use (a source that is a slice of a concat or split gets its own), None where
+    oneDNN refuses it or has only its reference loops. At most ``MAX_VARIANTS`` source
+    layouts per kind; another runs through the dense one. The weight is packed once (by the
+    first primitive, from the plain weight) and shared by every primitive that reads the
+    same format (another is reordered from it). ``tensors``: the packed weights and the
+    bias, framework tensors (the plan's memory accounting reads them). ``busy``: held
+    around a call (the memory objects are the node's own). The scratchpad is the calling
+    thread's (:func:`scratch`), shared by every primitive that thread runs."""
+
+    MAX_VARIANTS = 4
+
+    def __init__(
+        self,
+        lib: _Library,
+        geometry: list[int],
+        eltwise: tuple[str, float, float],
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> None:
+        self.lib, self.geometry, self.eltwise = lib, geometry, eltwise
+        self.weight, self.bias = weight, bias
+        self.handles: dict[tuple[int, tuple[int, ...]], int | None] = {}
+        self.tensors: list[torch.Tensor] = []
+        self.busy = threading.Lock()
+        self.scratch_bytes = 0  # the largest scratchpad of its primitives
+        self._first: tuple[int, torch.Tensor] | None = None  # (handle, its packed weight)
+        self._lock = threading.Lock()
+
+    def dense(self, kind: int, strides: tuple[int, ...]) -> int:
+        h = self.handles.get((kind, strides))
+        assert h, "the dense primitives are built at plan time"
+        return h
+
+    def get(self, kind: int, strides: tuple[int, ...]) -> int | None:
+        key = (kind, strides)
+        h = self.handles.get(key, 0)
+        if h != 0:
+            return h
+        with self._lock:
+            if key not in self.handles:
+                built = sum(1 for k in self.handles if k[0] == kind)
+                self.handles[key] = (
+                    self._build(kind, strides) if built < self.MAX_VARIANTS else None
+                )
+            return self.handles[key]
+
+    def _build(self, kind: int, strides: tuple[int, ...]) -> int | None:
+        lib = self.lib
+        g = (ctypes.c_long * 25)(*self.geometry, *strides)
+        elt, alpha, beta = self.eltwise
+        err = ctypes.create_string_buffer(256)
+        h = lib.create(g, elt.encode(), alpha, beta, kind, err, 256)
+        if not h:
+            return None
+        if lib.impl(h).decode().startswith("ref"):
+            lib.destroy(h)
+            return None  # oneDNN's reference loops: no fast kernel for this problem
+        first = self._first
+        if first is not None and lib.same_weights(h, first[0]):
+            packed, source = first[1], first[1]
+        else:
+            packed = torch.empty(max(1, lib.bytes(h, 0)), dtype=torch.uint8)
+            source = first[1] if first is not None else self.weight
+        self.scratch_bytes = max(self.scratch_bytes, lib.bytes(h, 1))
+        bias = self.bias
+        assert source is not None, "the plain weight is let go only after the first primitive"
+        rc = lib.prepare(
+            h,
+            None if first is None else first[0],
+            source.data_ptr(),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+        )
+        if rc != 0:
+            lib.destroy(h)
+            return None
+        if first is None:
+            self._first = (h, packed)
+            self.tensors.extend(t for t in (packed, bias) if t is not None)
+        elif packed is not first[1]:
+            self.tensors.append(packed)
+        return h
+
+    def close(self) -> None:
+        """Destroy every primitive (the step is gone)."""
+        with self._lock:
+            for h in self.handles.values():
+                if h:
+                    self.lib.destroy(h)
+            self.handles.clear()
+
+
+_threads = threading.local()
+
+
+def scratch(nbytes: int) -> int:
+    """The address of the calling thread's oneDNN scratchpad, at least ``nbytes`` long (a
+    framework tensor, grown when a primitive needs more; one per thread because the
+    primitives of one plan run one after another, and two threads never share one)."""
+    if nbytes <= getattr(_threads, "size", 0):
+        return _threads.ptr
+    buf = torch.empty(max(nbytes, 2 * getattr(_threads, "size", 0)), dtype=torch.uint8)
+    _threads.buf, _threads.size, _threads.ptr = buf, buf.numel(), buf.data_ptr()
+    return _threads.ptr
+
+
+def _strides(shape: tuple[int, ...], nhwc: bool) -> tuple[int, ...]:
+    n, c, h, w = shape
+    return (c * h * w, 1, w * c, c) if nhwc else (c * h * w, h * w, w, 1)
