@@ -112,7 +112,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--nets", default="mobilenet_v3_small,shufflenet_v2_x1_0,mobilenet_v2")
     parser.add_argument("--batches", default="1,16")
-    parser.add_argument("--lever", default="gemm1x1", help="--mode ab: gemm1x1, dw_generated")
+    parser.add_argument(
+        "--lever", default="gemm1x1", help="--mode ab: gemm1x1, dw_generated, onednn_primitives"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -297,6 +299,31 @@ def micro() -> None:
     torch.set_num_threads(1)
     res["oneDNN conv 1x1 on 1x16x8x8 (prepacked, 1 thread)"] = per_call_us(onednn, 500)
     torch.set_num_threads(threads)
+    # the same convolution as a oneDNN primitive created once (vendor/onednn.py): the step
+    # function the plan calls, output allocation included
+    from middleware.backends.vendor.calls import vendor_kernel
+    from middleware.graph import Graph, Node, TensorType
+    from middleware.ops import infer_types
+    from middleware.options import Options
+
+    g = Graph()
+    g.add_input("x", TensorType((1, 16, 8, 8), layout="nhwc"))
+    g.add_param("w", w.numpy())
+    g.add_param("b", b.numpy())
+    node = Node(
+        "c", "conv2d", ("x", "w", "b"), ("y",), dict(stride=1, padding=0, dilation=1, groups=1)
+    )
+    g.add_node(node, infer_types(g.values, node))
+    prim = vendor_kernel(g, node, torch.device("cpu"), options=Options())
+    if prim is not None and hasattr(prim, "primitives"):
+        res[f"oneDNN conv 1x1 on 1x16x8x8 as a primitive created once, {threads} threads"] = (
+            per_call_us(lambda: prim(x, w, b), 2000)
+        )
+        torch.set_num_threads(1)
+        res["oneDNN conv 1x1 on 1x16x8x8 as a primitive created once, 1 thread"] = per_call_us(
+            lambda: prim(x, w, b), 2000
+        )
+        torch.set_num_threads(threads)
     res["F.conv2d 1x1 on 1x16x8x8 channels_last"] = per_call_us(lambda: F.conv2d(x, w, b), 2000)
     wt = w.view(16, 16).t().contiguous()
     xv = x.permute(0, 2, 3, 1).reshape(64, 16)
@@ -377,7 +404,9 @@ def _lever(name: str) -> tuple[Any, str, Any, Any]:
         return calls, "GEMM_1X1_MAX_ROWS", 0, calls.GEMM_1X1_MAX_ROWS
     if name == "dw_generated":  # depthwise convs generated at batch 1
         return units, "GENERATED_DEPTHWISE_MAX_BATCH", 0, 1
-    raise SystemExit(f"unknown lever {name!r}: gemm1x1, dw_generated")
+    if name == "onednn_primitives":  # an optimize() option: module None
+        return None, "onednn_primitives", False, True
+    raise SystemExit(f"unknown lever {name!r}: gemm1x1, dw_generated, onednn_primitives")
 
 
 def ab(nets: list[str], batches: list[int], lever: str = "gemm1x1") -> None:
@@ -386,7 +415,7 @@ def ab(nets: list[str], batches: list[int], lever: str = "gemm1x1") -> None:
     import zoo
 
     module, attr, off, on = _lever(lever)
-    default = getattr(module, attr)
+    default = getattr(module, attr) if module is not None else None
     print(f"{torch.get_num_threads()} threads; before: {attr} = {off}, after: {on}")
     for net in nets:
         for batch in batches:
@@ -394,6 +423,10 @@ def ab(nets: list[str], batches: list[int], lever: str = "gemm1x1") -> None:
             x = zoo.make_input(batch, size)
             fns = zoo.eager_runners(model, x)
             for label, value in (("before", off), ("after", on)):
+                if module is None:  # an option of optimize()
+                    opt = middleware.optimize(model, example_inputs=(x,), **{attr: value})
+                    fns[label] = lambda opt=opt, x=x: opt(x)
+                    continue
                 setattr(module, attr, value)
                 try:
                     opt = middleware.optimize(model, example_inputs=(x,))

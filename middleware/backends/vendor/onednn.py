@@ -28,6 +28,7 @@ import ctypes
 import json
 import os
 import re
+import shutil
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -187,7 +188,8 @@ def _cached_offsets(lib: Path, cache_dir: Path | None) -> dict[str, int]:
 class _Library:
     """The compiled shim, bound to PyTorch's oneDNN."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, folder: Path, root: Path) -> None:
+        self.folder, self.root = folder, root  # the kernel cache entry, and its cache
         self.create = lib.mw_conv_create
         self.create.restype = ctypes.c_void_p
         self.create.argtypes = [
@@ -229,11 +231,23 @@ def _library(cache_dir: Path) -> _Library | str:
         elif str(cache_dir) not in _state.setdefault("caches", set()):
             _state["caches"].add(str(cache_dir))
             if not isinstance(_state["lib"], str):
-                try:
-                    _build_shim(cache_dir)
-                except CompileError:
-                    pass  # the bound copy still serves this process
+                _copy_shim(_state["lib"].folder, _state["lib"].root, Path(cache_dir))
         return _state["lib"]
+
+
+def _copy_shim(folder: Path, root: Path, cache_dir: Path) -> None:
+    """Put the bound shim's cache folder (binary, source, meta.json: the kernel cache
+    verifies it like any entry) into ``cache_dir`` too, unless it is there; a copy, not a
+    compile."""
+    target = cache_dir / folder.relative_to(root)
+    if target.exists():
+        return
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copytree(folder, tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won, or a read-only cache
 
 
 def _build_shim(cache_dir: Path) -> Any:
@@ -269,7 +283,7 @@ def _bind(cache_dir: Path) -> _Library | str:
     version = lib.mw_bind(arr)
     if version < 0:
         return f"PyTorch's oneDNN is not the version of its headers (mw_bind: {version})"
-    return _Library(lib)
+    return _Library(lib, built.binary.parent, Path(cache_dir))
 
 
 def unavailable(options: Options) -> str | None:
