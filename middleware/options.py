@@ -30,6 +30,12 @@ def check_memory_default() -> bool:
     return os.environ.get("MIDDLEWARE_CHECK_MEMORY", "") not in ("", "0")
 
 
+def onednn_primitives_default() -> bool:
+    """``$MIDDLEWARE_ONEDNN_PRIMITIVES=0`` makes ``torch.ops.mkldnn`` the default for CPU
+    convolutions (``Options.onednn_primitives``); anything else, or unset, primitives."""
+    return os.environ.get("MIDDLEWARE_ONEDNN_PRIMITIVES", "1") != "0"
+
+
 def selection_pairs(algorithms: Any) -> tuple[tuple[str, Any], ...]:
     """``{op: selector}`` (or its pairs) as sorted, hashable pairs; lists become tuples."""
     if not algorithms:
@@ -76,8 +82,9 @@ class Options:
     # On CPU, vendor convolutions run as oneDNN primitives created once at plan time and
     # executed directly (backends/vendor/onednn.py: PyTorch's own oneDNN through its C API),
     # instead of through torch.ops.mkldnn, whose per-call setup is most of a small layer's
-    # time. Same library, same kernels; False keeps the torch.ops.mkldnn call.
-    onednn_primitives: bool = True
+    # time. Same library, same kernels; False keeps the torch.ops.mkldnn call. Default:
+    # $MIDDLEWARE_ONEDNN_PRIMITIVES (unset: on).
+    onednn_primitives: bool = dataclasses.field(default_factory=onednn_primitives_default)
     # Per-layer algorithm choice, per op: {"conv2d": selector}, the selector a name (every
     # conv2d layer), a list of names (the i-th conv2d layer in graph order gets the i-th;
     # "default" lets the middleware decide) or a callable (layer) -> name
