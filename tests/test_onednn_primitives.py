@@ -9,6 +9,7 @@ NCHW source into a channels_last output) against the catalogue reference
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -223,7 +224,114 @@ def test_optimize_with_and_without_primitives_equal_pytorch():
             ref = m(x)
         for on in (True, False):
             o = middleware.optimize(m, example_inputs=(x,), onednn_primitives=on)
-            _close(o(x), ref)
+            with warnings.catch_warnings():  # a plan that failed and ran eager would warn
+                warnings.simplefilter("error")
+                _close(o(x), ref)
             steps = [s for s in o.plan.steps if hasattr(s.fn, "primitives")]
             assert bool(steps) == on
             assert any("oneDNN primitives created once" in n for n in o.report().notes) == on
+
+
+def _depthwise():
+    return conv_graph((1, 64, 10, 10), (64, 1, 3, 3), "nhwc", padding=1, groups=64)
+
+
+def _args(g):
+    x = torch.randn(g.values["x"].shape).contiguous(memory_format=CL)
+    return [x, torch.from_numpy(g.params["w"]), torch.from_numpy(g.params["b"])]
+
+
+def test_first_call_of_a_thread_without_scratchpad():
+    """A thread whose first primitive books no scratchpad (depthwise kernels) gets none,
+    and one that needs one later gets it (review: the first crashed)."""
+    import threading
+
+    g, node = _depthwise()
+    dense_g, dense_node = conv_graph((1, 16, 9, 9), (32, 16, 3, 3), "nhwc", padding=1)
+    fns = [vendor_kernel(g, node, CPU, options=Options()),
+           vendor_kernel(dense_g, dense_node, CPU, options=Options())]  # fmt: skip
+    cases = [(fn, _args(gg)) for fn, gg in zip(fns, (g, dense_g), strict=True)]
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for (fn, args), nd in zip(cases, (node, dense_node), strict=True):
+                _close(fn(*args), get_op("conv2d").bind(nd)(*args))
+        except BaseException as e:  # noqa: BLE001 - reported to the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, errors
+
+
+def test_default_dtype_float64_and_a_broadcast_source():
+    g, node = _depthwise()
+    fn = vendor_kernel(g, node, CPU, options=Options())
+    x, w, b = _args(g)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        y = fn(x, w, b)
+    finally:
+        torch.set_default_dtype(old)
+    assert y.dtype == torch.float32
+    _close(y, get_op("conv2d").bind(node)(x, w, b))
+    wide = torch.randn(1, 1, 1, 1).expand(*g.values["x"].shape)  # strides all 0
+    _close(fn(wide, w, b), get_op("conv2d").bind(node)(wide, w, b))
+
+
+def test_thread_count_change_builds_its_own_primitive():
+    g, node = conv_graph((2, 16, 9, 9), (32, 16, 3, 3), "nhwc", padding=1)
+    fn = vendor_kernel(g, node, CPU, options=Options())
+    x, w, b = _args(g)
+    ref = get_op("conv2d").bind(node)(x, w, b)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _close(fn(x, w, b), ref)
+    finally:
+        torch.set_num_threads(threads)
+    _close(fn(x, w, b), ref)
+    counts = {key[2] for key in fn.primitives.handles}
+    assert 1 in counts and threads in counts
+
+
+def test_a_second_cache_behind_a_symlink(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    for cache in (tmp_path / "link", tmp_path / "other"):
+        assert onednn.unavailable(Options(cache_dir=cache)) is None
+    assert list((real / "kernels").glob("onednn_conv-*/kernel.so"))
+
+
+def test_elf_reader_agrees_with_nm(tmp_path):
+    """Adjacent names, a name that is the tail of another, local and global functions: the
+    offsets the reader finds are nm's."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nm") is None or shutil.which("gcc") is None:
+        pytest.skip("needs gcc and nm")
+    src = tmp_path / "lib.c"
+    src.write_text(
+        "static int dnnl_a(int x) { return x + 1; }\n"
+        "static int dnnl_b(int x) { return x * 3; }\n"
+        "int my_dnnl_b2(int x) { return x - 2; }\n"
+        "int dnnl_b2(int x) { return dnnl_a(x) + dnnl_b(x); }\n"
+        "int (*keep[])(int) = {dnnl_a, dnnl_b};\n"
+    )
+    so = tmp_path / "lib.so"
+    subprocess.run(["gcc", "-O0", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    nm = subprocess.run(["nm", str(so)], capture_output=True, text=True, check=True).stdout
+    want = {
+        parts[2]: int(parts[0], 16)
+        for parts in (line.split() for line in nm.splitlines())
+        if len(parts) == 3 and parts[1] in "tT"
+    }
+    names = ["dnnl_a", "dnnl_b", "dnnl_b2", "my_dnnl_b2", "dnnl_missing"]
+    got = onednn.elf_function_offsets(so, names)
+    assert got == {n: want[n] for n in names if n in want}
+    assert set(got) == {"dnnl_a", "dnnl_b", "dnnl_b2", "my_dnnl_b2"}

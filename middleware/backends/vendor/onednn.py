@@ -103,29 +103,47 @@ def elf_function_offsets(path: Path, names: list[str]) -> dict[str, int]:
             table = read(int(strs["offset"]), int(strs["size"]))
             syms = np.frombuffer(read(int(sec["offset"]), int(sec["size"])), dtype=_SYM)
             funcs = syms[((syms["info"] & 0xF) == 2) & (syms["shndx"] != 0)]  # defined FUNC
-            # one pass over the string table for every name (a name may also be the tail of
-            # a longer string; only a whole one, after a NUL, is the symbol's own)
-            pattern = re.compile(
-                b"\\0(" + b"|".join(re.escape(n.encode()) for n in names) + b")\\0"
-            )
-            starts: dict[int, str] = {
-                m.start(1): m.group(1).decode() for m in pattern.finditer(table)
-            }
+            # a symbol's name is the bytes from its st_name up to a NUL, so every place a
+            # name ends at a NUL is a candidate (a linker may share a name as the tail of a
+            # longer string); one pass over the table per group of names none of which is
+            # the tail of another (a match would hide the other)
+            starts: dict[int, str] = {}
+            for group in _tail_free_groups(names):
+                alternatives = b"|".join(re.escape(n.encode()) for n in group)
+                pattern = re.compile(b"(" + alternatives + b")(?=\\0)")
+                starts.update((m.start(), m.group(1).decode()) for m in pattern.finditer(table))
             hit = funcs[np.isin(funcs["name"], np.fromiter(starts, dtype=np.uint32))]
             for sym in hit:
                 found.setdefault(starts[int(sym["name"])], int(sym["value"]))
         return found
 
 
+def _tail_free_groups(names: list[str]) -> list[list[str]]:
+    """``names`` in groups where no name ends with another of its group (greedy)."""
+    groups: list[list[str]] = []
+    for name in sorted(names, key=len, reverse=True):
+        for group in groups:
+            if not any(other.endswith(name) or name.endswith(other) for other in group):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups
+
+
 def _load_base(path: Path) -> int | None:
-    """Where the library at ``path`` is mapped in this process (its first mapping, file
-    offset 0), or None."""
+    """Where the library at ``path`` is mapped in this process (its mapping at file offset
+    0), or None; None too where the mapped file is not the one at ``path`` now (replaced on
+    disk while the process runs: its symbol table would not describe the mapped code)."""
     real = os.path.realpath(path)
+    inode = os.stat(real).st_ino
     with open("/proc/self/maps") as f:
         for line in f:
-            parts = line.split()
-            if len(parts) >= 6 and os.path.realpath(parts[5]) == real and int(parts[2], 16) == 0:
-                return int(parts[0].split("-")[0], 16)
+            parts = line.rstrip("\n").split(maxsplit=5)
+            if len(parts) < 6 or int(parts[2], 16) != 0:
+                continue
+            if parts[5] == real or os.path.realpath(parts[5]) == real:
+                return int(parts[0].split("-")[0], 16) if int(parts[4]) == inode else None
     return None
 
 
@@ -226,7 +244,10 @@ def _library(cache_dir: Path) -> _Library | str:
     later process on that cache compiles nothing."""
     with _lock:
         if "lib" not in _state:
-            _state["lib"] = _bind(cache_dir)
+            try:
+                _state["lib"] = _bind(cache_dir)
+            except Exception as e:  # noqa: BLE001 - an unreadable library must not stop optimize()
+                _state["lib"] = f"binding PyTorch's oneDNN failed ({type(e).__name__}: {e})"
             _state["caches"] = {str(cache_dir)}
         elif str(cache_dir) not in _state.setdefault("caches", set()):
             _state["caches"].add(str(cache_dir))
@@ -239,7 +260,10 @@ def _copy_shim(folder: Path, root: Path, cache_dir: Path) -> None:
     """Put the bound shim's cache folder (binary, source, meta.json: the kernel cache
     verifies it like any entry) into ``cache_dir`` too, unless it is there; a copy, not a
     compile."""
-    target = cache_dir / folder.relative_to(root)
+    try:
+        target = cache_dir.expanduser().resolve() / folder.relative_to(root)
+    except (OSError, ValueError):
+        return  # the next process on that cache compiles it
     if target.exists():
         return
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -283,7 +307,7 @@ def _bind(cache_dir: Path) -> _Library | str:
     version = lib.mw_bind(arr)
     if version < 0:
         return f"PyTorch's oneDNN is not the version of its headers (mw_bind: {version})"
-    return _Library(lib, built.binary.parent, Path(cache_dir))
+    return _Library(lib, built.binary.resolve().parent, Path(cache_dir).expanduser().resolve())
 
 
 def unavailable(options: Options) -> str | None:
@@ -382,8 +406,9 @@ def direct_conv(
     def source(kind: int, x: torch.Tensor) -> tuple[int, torch.Tensor]:
         """The primitive for ``x`` as it is laid out, or the dense one and ``x`` made dense
         (a layout oneDNN refuses, the stem's NCHW image into a channels_last network)."""
-        if not convert:
-            handle = prims.get(kind, x.stride())
+        strides = x.stride()
+        if not convert and 0 not in strides:  # a broadcast (expanded) source: made dense
+            handle = prims.get(kind, strides)
             if handle is not None:
                 return handle, x
         return prims.dense(kind, x_strides), x.contiguous(memory_format=fmt)
@@ -391,7 +416,7 @@ def direct_conv(
     if not residual:
 
         def conv_onednn(x, *_rest):
-            y = torch.empty(shape, memory_format=fmt)
+            y = torch.empty(shape, dtype=torch.float32, device="cpu", memory_format=fmt)
             with prims.busy:  # the step's memory objects and scratchpad: one call at a time
                 handle, x = source(0, x)
                 if run(handle, x.data_ptr(), y.data_ptr(), None, scratch(prims.scratch_bytes)):
@@ -404,7 +429,7 @@ def direct_conv(
         def conv_add_onednn(x, *rest):
             r = rest[-1]
             r = r if r.stride() == out_strides else r.contiguous(memory_format=fmt)
-            y = torch.empty(shape, memory_format=fmt)
+            y = torch.empty(shape, dtype=torch.float32, device="cpu", memory_format=fmt)
             with prims.busy:
                 handle, x = source(1, x)
                 if run(
@@ -428,7 +453,8 @@ def direct_conv(
         fn.into_residual = conv_add_into_residual_onednn  # type: ignore[attr-defined]
     fn.keep = prims.tensors  # type: ignore[attr-defined]
     fn.primitives = prims  # type: ignore[attr-defined]
-    weakref.finalize(fn, prims.close)
+    # not at interpreter exit: a daemon thread may still be inside a call then
+    weakref.finalize(fn, prims.close).atexit = False
     return fn
 
 
@@ -436,15 +462,15 @@ class _Primitives:
     """The primitives of one convolution node, by (kind, source strides): kind 0 plain,
     1 a binary add of the residual, 2 the residual accumulated into (sum); each built on
     first use (a source that is a slice of a concat or split gets its own), None where
-    oneDNN refuses it or has only its reference loops. At most ``MAX_VARIANTS`` source
-    layouts per kind; another runs through the dense one. The weight is packed once (by the
+    oneDNN refuses it or has only its reference loops; one per thread count too. At most
+    ``MAX_VARIANTS`` per kind; another source layout runs through the dense one. The weight is packed once (by the
     first primitive, from the plain weight) and shared by every primitive that reads the
     same format (another is reordered from it). ``tensors``: the packed weights and the
     bias, framework tensors (the plan's memory accounting reads them). ``busy``: held
     around a call (the memory objects are the node's own). The scratchpad is the calling
     thread's (:func:`scratch`), shared by every primitive that thread runs."""
 
-    MAX_VARIANTS = 4
+    MAX_VARIANTS = 6
 
     def __init__(
         self,
@@ -456,7 +482,7 @@ class _Primitives:
     ) -> None:
         self.lib, self.geometry, self.eltwise = lib, geometry, eltwise
         self.weight, self.bias = weight, bias
-        self.handles: dict[tuple[int, tuple[int, ...]], int | None] = {}
+        self.handles: dict[tuple[int, tuple[int, ...], int], int | None] = {}
         self.tensors: list[torch.Tensor] = []
         self.busy = threading.Lock()
         self.scratch_bytes = 0  # the largest scratchpad of its primitives
@@ -464,21 +490,25 @@ class _Primitives:
         self._lock = threading.Lock()
 
     def dense(self, kind: int, strides: tuple[int, ...]) -> int:
-        h = self.handles.get((kind, strides))
-        assert h, "the dense primitives are built at plan time"
+        """The primitive of the dense source (built at plan time for the thread count then;
+        for another, built now, whatever the variant count)."""
+        h = self.get(kind, strides, limit=False)
+        if h is None:
+            raise RuntimeError("oneDNN refused a convolution primitive it built before")
         return h
 
-    def get(self, kind: int, strides: tuple[int, ...]) -> int | None:
-        key = (kind, strides)
+    def get(self, kind: int, strides: tuple[int, ...], limit: bool = True) -> int | None:
+        # oneDNN sizes a primitive's scratchpad and splits its work for the thread count
+        # at creation: one per count (torch.set_num_threads after optimize())
+        key = (kind, strides, torch.get_num_threads())
         h = self.handles.get(key, 0)
         if h != 0:
             return h
         with self._lock:
             if key not in self.handles:
                 built = sum(1 for k in self.handles if k[0] == kind)
-                self.handles[key] = (
-                    self._build(kind, strides) if built < self.MAX_VARIANTS else None
-                )
+                ok = not limit or built < self.MAX_VARIANTS
+                self.handles[key] = self._build(kind, strides) if ok else None
             return self.handles[key]
 
     def _build(self, kind: int, strides: tuple[int, ...]) -> int | None:
@@ -496,7 +526,7 @@ class _Primitives:
         if first is not None and lib.same_weights(h, first[0]):
             packed, source = first[1], first[1]
         else:
-            packed = torch.empty(max(1, lib.bytes(h, 0)), dtype=torch.uint8)
+            packed = torch.empty(max(1, lib.bytes(h, 0)), dtype=torch.uint8, device="cpu")
             source = first[1] if first is not None else self.weight
         self.scratch_bytes = max(self.scratch_bytes, lib.bytes(h, 1))
         bias = self.bias
@@ -520,11 +550,12 @@ class _Primitives:
 
     def close(self) -> None:
         """Destroy every primitive (the step is gone)."""
-        with self._lock:
+        with self.busy, self._lock:
             for h in self.handles.values():
                 if h:
                     self.lib.destroy(h)
             self.handles.clear()
+            self._first = None
 
 
 _threads = threading.local()
@@ -534,9 +565,13 @@ def scratch(nbytes: int) -> int:
     """The address of the calling thread's oneDNN scratchpad, at least ``nbytes`` long (a
     framework tensor, grown when a primitive needs more; one per thread because the
     primitives of one plan run one after another, and two threads never share one)."""
+    if nbytes == 0:
+        return 0  # a primitive that books no scratchpad (depthwise kernels)
     if nbytes <= getattr(_threads, "size", 0):
         return _threads.ptr
-    buf = torch.empty(max(nbytes, 2 * getattr(_threads, "size", 0)), dtype=torch.uint8)
+    buf = torch.empty(
+        max(nbytes, 2 * getattr(_threads, "size", 0)), dtype=torch.uint8, device="cpu"
+    )
     _threads.buf, _threads.size, _threads.ptr = buf, buf.numel(), buf.data_ptr()
     return _threads.ptr
 
