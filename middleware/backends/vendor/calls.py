@@ -221,39 +221,44 @@ def _cpu_conv_primitive(graph: Graph, node: Node, options: Options) -> Kernel | 
     do not apply. Every 1x1 layer too: without the per-call setup the primitive beats the
     GEMM form (measured on mobilenet_v3_small at batch 1: 10-39 us against 15-86 us per
     layer)."""
+    operands = _conv_operands(graph, node)
+    if operands is None:
+        return None
+    weight, bias, residual = operands
+    name, attrs = activation_attrs(node)
+    post = onednn_post_op(name, attrs)
+    if residual and post is not None and post.attr != "none" and not _after_binary(name):
+        return None  # oneDNN refuses it after the binary add: the ideep call's ATen form
+    return onednn.direct_conv(graph, node, weight, bias, post, _conv_geometry(node), options)
+
+
+def _conv_operands(
+    graph: Graph, node: Node
+) -> tuple[torch.Tensor, torch.Tensor | None, bool] | None:
+    """(weight, bias or None, has a residual) of a rank-4 float32 conv2d node with numeric
+    padding whose weight and bias are parameters; None otherwise (a computed weight or
+    bias: the reference handles it)."""
     x_t = graph.values[node.inputs[0]]
     if x_t.rank != 4 or x_t.dtype not in ONEDNN_DTYPES or isinstance(node.attrs["padding"], str):
         return None
-    name, attrs = activation_attrs(node)
-    post = onednn_post_op(name, attrs)
     residual = bool(node.attrs.get("residual", False))
-    if residual and post is not None and post.attr != "none" and not _after_binary(name):
-        return None  # oneDNN refuses it after the binary add: the ideep call's ATen form
     has_bias = len(node.inputs) - int(residual) == 3
     weight = _param(graph, node.inputs[1])
     bias = _param(graph, node.inputs[2]) if has_bias else None
     if weight is None or (has_bias and bias is None):
         return None
-    return onednn.direct_conv(graph, node, weight, bias, post, options)
+    return weight, bias, residual
 
 
 def _cpu_conv_ideep(graph: Graph, node: Node) -> Kernel | None:
     """conv2d (+bias, +residual, +activation) as one oneDNN call with a prepacked weight."""
     x_t = graph.values[node.inputs[0]]
     out_t = graph.values[node.outputs[0]]
-    if x_t.rank != 4 or x_t.dtype not in ONEDNN_DTYPES or isinstance(node.attrs["padding"], str):
+    operands = _conv_operands(graph, node)
+    if operands is None or not torch.backends.mkldnn.is_available():
         return None
-    if not torch.backends.mkldnn.is_available():
-        return None
+    weight, bias, residual = operands
     padding, stride, dilation, groups = _conv_geometry(node)
-    residual = bool(node.attrs.get("residual", False))
-    has_bias = len(node.inputs) - int(residual) == 3
-    weight = _param(graph, node.inputs[1])
-    bias = _param(graph, node.inputs[2]) if has_bias else None
-    if bias is None and has_bias:
-        return None  # a computed bias: the reference handles it
-    if weight is None:
-        return None  # a computed weight: nothing to prepack
     gemm = _cpu_conv1x1_gemm(graph, node, weight, bias)
     if gemm is not None:
         return gemm

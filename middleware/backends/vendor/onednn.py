@@ -340,6 +340,7 @@ def direct_conv(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     post: Any,  # calls.OneDnnPostOp: the activation fused into the oneDNN call
+    geometry_attrs: tuple[list[int], list[int], list[int], int],  # calls._conv_geometry
     options: Options,
 ) -> Kernel | None:
     """The CPU conv2d ``node`` (+bias, +residual, then the activation ``post``) as oneDNN
@@ -357,14 +358,7 @@ def direct_conv(
     if post is None or (post.attr != "none" and post.attr not in ELTWISE):
         return None
     residual = bool(node.attrs.get("residual", False))
-    a = node.attrs
-    pad = a["padding"]
-    if isinstance(pad, str):
-        return None
-    ph, pw = (int(pad), int(pad)) if isinstance(pad, int) else (int(pad[0]), int(pad[1]))
-    sh, sw = (a["stride"], a["stride"]) if isinstance(a["stride"], int) else a["stride"]
-    dh, dw = (a["dilation"],) * 2 if isinstance(a["dilation"], int) else a["dilation"]
-    groups = int(a["groups"])
+    (ph, pw), (sh, sw), (dh, dw), groups = geometry_attrs
     n, c, h, w = x_t.shape
     _, k, oh, ow = out_t.shape
     kh, kw = int(weight.shape[2]), int(weight.shape[3])
@@ -380,9 +374,10 @@ def direct_conv(
     # convolution that changes the layout
     convert = src_nhwc != dst_nhwc
     src_nhwc = dst_nhwc
-    geometry = [n, c, h, w, k, oh, ow, kh, kw, sh, sw, ph, pw, pb, pr, dh - 1, dw - 1, groups,
-                int(src_nhwc), int(dst_nhwc), int(bias is not None)]  # fmt: skip
-    geometry = [int(v) for v in geometry]
+    geometry = [int(v) for v in (
+        n, c, h, w, k, oh, ow, kh, kw, sh, sw, ph, pw, pb, pr, dh - 1, dw - 1, groups,
+        src_nhwc, dst_nhwc, bias is not None,
+    )]  # fmt: skip
     if post.attr == "none":
         elt, alpha, beta = "", 0.0, 0.0
     else:
