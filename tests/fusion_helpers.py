@@ -180,6 +180,30 @@ def add_bn(g: Graph, x: str, seed: int = 0) -> str:
     return add(g, "batch_norm", [x, *ps], eps=1e-5)
 
 
+# a convolution's fused activations with their attrs (vendor post-ops and the primitive's
+# eltwise spellings: tests/test_vendor.py, tests/test_onednn_primitives.py)
+CONV_ACTIVATIONS = [
+    (None, ()),
+    ("relu", ()),
+    ("hardtanh", (("min_val", 0.0), ("max_val", 6.0))),
+    ("hardtanh", (("min_val", -0.5), ("max_val", 0.25))),
+    ("leaky_relu", (("negative_slope", 0.1),)),
+    ("silu", ()),
+    ("hardswish", ()),
+    ("hardsigmoid", ()),
+    ("sigmoid", ()),
+    ("tanh", ()),
+    ("gelu", (("approximate", "none"),)),
+    ("gelu", (("approximate", "tanh"),)),
+]
+
+
+def close_to_scale(y: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
+    """``y`` equals ``ref`` within ``tol`` relative to ``ref``'s largest magnitude."""
+    scale = max(1e-12, float(ref.abs().max()))
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol * scale)
+
+
 def conv_graph(
     x_shape, w_shape, layout, *, stride=1, padding=0, dilation=1, groups=1, bias=True,
     activation=None, activation_attrs=(), residual=False, seed=0,

@@ -14,6 +14,8 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from fusion_helpers import CONV_ACTIVATIONS as ACTIVATIONS
+from fusion_helpers import close_to_scale as _close
 from fusion_helpers import conv_graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,29 +29,11 @@ from middleware.options import Options
 CL = torch.channels_last
 CPU = torch.device("cpu")
 
-ACTIVATIONS = [
-    (None, ()),
-    ("relu", ()),
-    ("hardtanh", (("min_val", 0.0), ("max_val", 6.0))),
-    ("leaky_relu", (("negative_slope", 0.1),)),
-    ("silu", ()),
-    ("hardswish", ()),
-    ("hardsigmoid", ()),
-    ("sigmoid", ()),
-    ("tanh", ()),
-    ("gelu", (("approximate", "none"),)),
-    ("gelu", (("approximate", "tanh"),)),
-]
 
 pytestmark = pytest.mark.skipif(
     onednn.unavailable(Options()) is not None,
     reason=f"no oneDNN primitives here: {onednn.unavailable(Options())}",
 )
-
-
-def _close(y: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
-    scale = max(1e-12, float(ref.abs().max()))
-    torch.testing.assert_close(y, ref, rtol=tol, atol=tol * scale)
 
 
 def _in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:

@@ -13,6 +13,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from fusion_helpers import CONV_ACTIVATIONS as ACTIVATIONS
+from fusion_helpers import close_to_scale as _close
 from fusion_helpers import conv_graph
 
 from middleware.backends.vendor.calls import (
@@ -26,26 +28,6 @@ from middleware.graph import Graph, Node, TensorType
 from middleware.ops import get_op, infer_types
 
 CL = torch.channels_last
-
-ACTIVATIONS = [
-    (None, ()),
-    ("relu", ()),
-    ("hardtanh", (("min_val", 0.0), ("max_val", 6.0))),
-    ("hardtanh", (("min_val", -0.5), ("max_val", 0.25))),
-    ("leaky_relu", (("negative_slope", 0.1),)),
-    ("silu", ()),
-    ("hardswish", ()),
-    ("hardsigmoid", ()),
-    ("sigmoid", ()),
-    ("tanh", ()),
-    ("gelu", (("approximate", "none"),)),
-    ("gelu", (("approximate", "tanh"),)),
-]
-
-
-def _close(y: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
-    scale = max(1e-12, float(ref.abs().max()))
-    torch.testing.assert_close(y, ref, rtol=tol, atol=tol * scale)
 
 
 def _run_conv_case(g: Graph, node: Node, layout: str, device: str = "cpu", seed: int = 1):
