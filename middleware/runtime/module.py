@@ -53,12 +53,50 @@ class Compiled:
 # that holds an OptimizedModule compiles it from inside its own trace. Always taken before
 # a module's own lock, so the two never deadlock.
 _GLOBAL_COMPILE_LOCK = threading.RLock()
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 _NOT_RUN = object()  # _compile's second result when it did not run the model itself
 # The plan key of calls whose inputs are not all tensors (a detection model's list of
 # images): one TorchDynamo capture serves them all, its guards telling the structures apart.
 _STRUCTURED = ("inputs other than tensors",)
+
+try:  # PyTorch's C++ tensor guards (TorchDynamo's): dtype, device, sizes, strides, dispatch
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - a build without TorchDynamo: every call takes the
+    _TensorGuards = None  # Python signature
+
+
+@dataclasses.dataclass(frozen=True)
+class _Repeat:
+    """The latest inference call's signature and plan, behind a C++ guard over its inputs.
+
+    Every call of an optimized module computes its inputs' signature in Python (a few
+    PyTorch queries per input: contiguity, shape, dtype, device). A call whose inputs match
+    the previous call's exactly (same tensor type, dtype, device, sizes and strides,
+    requires_grad and dispatch keys: TorchDynamo's ``TensorGuards``, one C++ call for all
+    inputs) has the same signature, so it skips that: on a cold cache (the previous layer's
+    data evicted the interpreter's and PyTorch's code) those queries cost tens of
+    microseconds. Only inputs that were dense already are guarded (the guard checks their
+    strides, so a hit is dense too)."""
+
+    check: Callable[..., bool]
+    sig: tuple
+    entry: Compiled
+
+
+def _repeat_of(inputs: Sequence[torch.Tensor], sig: tuple, entry: Compiled) -> _Repeat | None:
+    if _TensorGuards is None or not inputs:
+        return None
+    try:
+        guard = _TensorGuards(
+            *inputs,
+            dynamic_dims_sizes=[list(x.shape) for x in inputs],
+            dynamic_dims_strides=[list(x.stride()) for x in inputs],
+        )
+    except Exception:  # noqa: BLE001 - another PyTorch's signature: the Python path only
+        return None
+    return _Repeat(guard.check, sig, entry)
 
 
 def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
@@ -108,6 +146,7 @@ class OptimizedModule(nn.Module):
         self._plans: dict[tuple, Compiled] = {}
         self._specs: list[InputSpec] | None = None
         self._latest: Compiled | None = None
+        self._repeat: _Repeat | None = None  # the latest inference call, behind its guard
         self._fallback_reason: str | None = None
         self._compile_lock = threading.Lock()
         self._weights: WeightSnapshot | None = None  # what the cached plans were built from
@@ -141,6 +180,7 @@ class OptimizedModule(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.pop("_compile_lock", None)  # a lock cannot be copied; each copy gets its own
+        state["_repeat"] = None  # a C++ guard cannot be copied; the copy guards its own calls
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -152,12 +192,13 @@ class OptimizedModule(nn.Module):
         # partly sharing memory with) this module's weights must not serve it, so it builds
         # its own on its first call.
         state = self.__getstate__()
-        for key in ("_plans", "_latest", "_weights", "_train_plans", "_train_weights"):
+        for key in ("_plans", "_latest", "_repeat", "_weights", "_train_plans", "_train_weights"):
             state.pop(key, None)
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         clone.__setstate__(copy.deepcopy(state, memo))
         clone._plans, clone._latest, clone._weights = {}, None, None
+        clone._repeat = None
         clone._train_plans, clone._train_weights = {}, None
         return clone
 
@@ -261,20 +302,35 @@ class OptimizedModule(nn.Module):
             raise InputTypeError(
                 f"keyword inputs ({', '.join(kwargs)}) are not supported; pass tensors positionally"
             )
+        repeat = self._repeat
+        if repeat is not None and self._same_as_before(repeat, inputs):
+            if not (self._original.training or any(m.training for m in self._all_modules)):
+                weights = self._weights
+                if weights is None or weights.current():
+                    return self._run_plan(repeat.entry, inputs, repeat.sig)
         try:
-            inputs, sig = dense_signature(inputs)
+            dense_inputs, sig = dense_signature(inputs)
         except AttributeError:  # an input that is not a tensor
             return self._forward_structured(inputs)
         if self._original.training or any(m.training for m in self._all_modules):
             # the inference plans compute eval semantics, of every submodule
-            return self._forward_train(inputs, (sig, mode_key(self._original)))
+            return self._forward_train(dense_inputs, (sig, mode_key(self._original)))
         weights = self._weights
         if weights is not None and not weights.current():
             self._revalidate()
-        return self._plan_call(inputs, sig)
+        return self._plan_call(dense_inputs, sig, guard=dense_inputs is inputs)
 
-    def _plan_call(self, inputs: Sequence[Any], sig: tuple) -> Any:
-        """The plan of ``sig`` (built on first use) run on ``inputs``, without gradients."""
+    @staticmethod
+    def _same_as_before(repeat: _Repeat, inputs: Sequence[Any]) -> bool:
+        try:
+            return repeat.check(*inputs)
+        except TypeError:  # another number of inputs
+            return False
+
+    def _plan_call(self, inputs: Sequence[Any], sig: tuple, guard: bool = False) -> Any:
+        """The plan of ``sig`` (built on first use) run on ``inputs``, without gradients.
+        ``guard``: the inputs are the caller's own (dense already), so the next call may
+        take the ``_Repeat`` path."""
         entry = self._plans.get(sig)  # the fast path takes no lock
         if entry is None:
             entry, out = self._build(inputs, sig)
@@ -282,12 +338,24 @@ class OptimizedModule(nn.Module):
                 return out
             if entry is None:
                 return self._original(*inputs)
+        if guard and entry.plan is not None:
+            repeat = self._repeat
+            if repeat is None or repeat.entry is not entry:
+                self.__dict__["_repeat"] = _repeat_of(inputs, sig, entry)
+        return self._run_plan(entry, inputs, sig)
+
+    def _run_plan(self, entry: Compiled, inputs: Sequence[Any], sig: tuple) -> Any:
         # a plain attribute, not through nn.Module.__setattr__ (which looks the name up in
         # the parameter, buffer and module tables: a few microseconds on every call)
         self.__dict__["_latest"] = entry
         if torch.is_grad_enabled():
-            with torch.no_grad():
+            # torch.no_grad() without its Python context manager (tens of microseconds
+            # when the interpreter's caches are cold)
+            _set_grad_enabled(False)
+            try:
                 return self._run_entry(entry, inputs, sig)
+            finally:
+                _set_grad_enabled(True)
         return self._run_entry(entry, inputs, sig)
 
     def _run_entry(self, entry: Compiled, inputs: Sequence[torch.Tensor], sig: tuple) -> Any:
@@ -444,6 +512,7 @@ class OptimizedModule(nn.Module):
         # A new dict: a thread that already looked its plan up finishes with it.
         self._plans = {}
         self._latest = None
+        self._repeat = None
         self._weights = None
         self._rebuilds += 1
         self._rebuild_reason = why
@@ -494,6 +563,7 @@ class OptimizedModule(nn.Module):
             self._specs = [InputSpec.of(x) for x in inputs]
         self._plans[sig] = entry
         self._latest = entry
+        self._repeat = None  # it may have guarded the entry this one replaces
 
     def _fall_back(self, reason: str) -> None:
         """The whole model runs as the original PyTorch code from now on."""
