@@ -54,6 +54,9 @@ class Hardware:
     # properties), "default" (documented defaults); ``detail`` says how or why
     source: str = "default"
     detail: str = ""
+    # the CPU's vendor_id ("GenuineIntel", "AuthenticAMD"; "" unknown or a GPU): the
+    # generated code's software prefetch hint depends on it (backends/x86/window.py)
+    vendor: str = ""
 
     @property
     def balance(self) -> float:
@@ -75,7 +78,7 @@ class Hardware:
         """What of the hardware changes generated code (for kernel cache keys)."""
         return (
             f"{self.kind}:{self.name}:{self.cores}:{self.simd_bytes}:{self.l1_bytes}:"
-            f"{self.l2_bytes}:{self.arch}"
+            f"{self.l2_bytes}:{self.arch}:{self.vendor}"
         )
 
 
@@ -201,14 +204,19 @@ def _simd_bytes() -> int:
     return 16
 
 
-def _cpu_name() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in /proc/cpuinfo, or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.split(":", 1)[0].strip() == field:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_static() -> dict[str, Any]:
@@ -224,6 +232,7 @@ def cpu_static() -> dict[str, Any]:
         l2_bytes=_cache_size(2) or 2 * 1024 * 1024,
         l3_bytes=_cache_size(3) or 32 * 1024 * 1024,
         arch="native",
+        vendor=_cpuinfo("vendor_id") or "",
     )
 
 

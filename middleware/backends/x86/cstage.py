@@ -238,8 +238,10 @@ class StageWriter:
         c_float: Callable[[float], str],
         vec: Callable[[str, str, dict[str, str], set[str]], VecExpr] | None = None,
         stream_min_bytes: float = float("inf"),
+        prefetch_hint: str = window.PREFETCH_HINT,
     ) -> None:
         self.s = s
+        self.prefetch_hint = prefetch_hint  # of the pooling row passes (window.prefetches)
         # outputs at least this large are written with non-temporal stores (the vector
         # loops' full aligned chunks): they do not fit the caches, and a store that
         # bypasses them saves the read of every line it writes

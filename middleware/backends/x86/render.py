@@ -20,6 +20,7 @@ from .cfuncs import C_FUNCS, ISPC_FUNCS, c_expr, c_float
 from .cstage import StageWriter
 from .vec512 import HELPERS as VEC_HELPERS
 from .vec512 import VecExpr
+from .window import PREFETCH_HINT
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -226,7 +227,10 @@ def render_ispc(s: Schedule) -> tuple[str, str]:
 
 
 def stages_c(
-    s: Schedule, ctx: _Ctx, stream_min_bytes: float = float("inf")
+    s: Schedule,
+    ctx: _Ctx,
+    stream_min_bytes: float = float("inf"),
+    prefetch_hint: str = PREFETCH_HINT,
 ) -> tuple[list[str], str]:
     """(per-tile declarations, C text of every stage in order): ``cstage.StageWriter``."""
 
@@ -247,7 +251,9 @@ def stages_c(
             scalars,
         )
 
-    w = StageWriter(s, ctx.load, ctx.param, target, ctx.table, c_float, vec, stream_min_bytes)
+    w = StageWriter(
+        s, ctx.load, ctx.param, target, ctx.table, c_float, vec, stream_min_bytes, prefetch_hint
+    )
     for st in s.stages:
         w.emit(0, "")
         w.emit(3, f"/* {comment(st.name)} -> {buffer_ident(st.target)} */")
@@ -255,13 +261,16 @@ def stages_c(
     return w.decls, "\n".join(w.lines) + "\n"
 
 
-def render_c(s: Schedule, stream_min_bytes: float = float("inf")) -> str:
+def render_c(
+    s: Schedule, stream_min_bytes: float = float("inf"), prefetch_hint: str = PREFETCH_HINT
+) -> str:
     """The C source of ``s`` (one exported function named ``s.name``). An output of at
     least ``stream_min_bytes`` is written with non-temporal stores (the caller derives
-    the threshold from ``Hardware``: the private caches of all cores)."""
+    the threshold from ``Hardware``: the private caches of all cores); the pooling row
+    passes prefetch with ``prefetch_hint`` (the caller's choice for the CPU's vendor)."""
     ctx = _Ctx(s)
     env = _common(s, ctx)
-    decls, text = stages_c(s, ctx, stream_min_bytes)
+    decls, text = stages_c(s, ctx, stream_min_bytes, prefetch_hint)
     env.update(hoist_decls=decls, stages_text=text, vec_helpers=VEC_HELPERS)
     scratch_text = (
         ", ".join(f"{buffer_ident(b.name)} {extent_text(b)}" for b in env["scratch"]) or "none"

@@ -81,7 +81,8 @@ MAX_DIVISOR_TABLE = 65536
 # The largest output plane staged for non-temporal stores (floats, per thread).
 MAX_STAGED_PLANE = 16384
 # Software prefetch of the row pass: this many bytes of input rows ahead (at least one
-# output row), into L2 (_MM_HINT_T1). Measured on one core, BN -> ReLU -> 3x3/2 max-pool
+# output row), into L2 (_MM_HINT_T1) by default; the backend picks the hint per CPU vendor
+# (backend.prefetch_hint: _MM_HINT_T0 on AMD). Measured on one core, BN -> ReLU -> 3x3/2 max-pool
 # NCHW 16x64x112x112 (rows of 448 bytes), the generated kernel against the streaming one,
 # two runs on a host with load 2.5 (session 8): _MM_HINT_T0 4 output rows (3584 bytes)
 # ahead 94% / 86%, 8 rows 94% / 88%; _MM_HINT_T1 4 rows 95% / 92%, 8 rows 96% / 93%,
@@ -282,6 +283,7 @@ class Writer(Protocol):
     nt_ok: bool
     decls: list[str]
     stream_min_bytes: float
+    prefetch_hint: str
 
     def emit(self, depth: int, text: str) -> None: ...
 
@@ -934,7 +936,7 @@ class SeparableWriter:
             for x in leaves(body):
                 if isinstance(x, Load) and x.value not in seen:
                     seen.add(x.value)
-                    out.append(prefetch(*v.load_offset(x), PREFETCH_HINT))
+                    out.append(prefetch(*v.load_offset(x), self.w.prefetch_hint))
         return out
 
     def staged(self) -> bool:
