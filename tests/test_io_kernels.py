@@ -308,8 +308,18 @@ def test_window_passes_match_pytorch_many(case, tmp_path) -> None:  # noqa: ANN0
 # (layout, shape, pool, BN -> ReLU before it, what the source must contain): each form of
 # window.py taken
 WINDOW_FORMS = [
-    # NCHW rows, stride 2, staged plane with non-temporal stores
-    ("nchw", (5, 17, 23, 37), maxpool(3, 2, 1), True, ("wrow0_", "wout0_", "_mm512_stream_ps")),
+    # NCHW rows, stride 2, staged plane with non-temporal stores; the column pass from
+    # whole vectors of the row buffer, taps -1..1 taken apart in registers
+    (
+        "nchw",
+        (5, 17, 23, 37),
+        maxpool(3, 2, 1),
+        True,
+        ("wout0_", "_mm512_stream_ps", "mw_odd), b_", "q_ - 16"),
+    ),
+    # taps 0..2 (no pad: the tap after the even columns) and 0..1
+    ("nchw", (3, 5, 24, 41), maxpool(3, 2, 0, ceil=True), True, ("mw_odd), b_", "q_ + 32")),
+    ("nchw", (3, 5, 24, 40), maxpool(2, 2, 0), False, ("mw_odd), b_",)),
     ("nchw", (5, 3, 23, 37), avgpool(3, 2, 1, cip=False), True, ("wrow0_", "wout0_", "wdiv0_")),
     # NCHW flat plane (stride 1, 33 >= 16 columns): both passes in registers, column taps
     # shifted by valignd, lanes from mask tables; non-temporal stores

@@ -52,6 +52,7 @@ static inline __mmask16 mw_range(int s, int e) {
   return e < s ? (__mmask16)0 : (__mmask16)(((2u << e) - 1u) & ~((1u << s) - 1u));
 }
 static const int mw_even[16] __attribute__((aligned(64))) = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const int mw_odd[16] __attribute__((aligned(64))) = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
 """
 
 

@@ -390,11 +390,34 @@ class SeparableWriter:
         return self.w.s.buffer(self.st.target).extent[1]
 
     def columns(self) -> int:
-        """Columns of the row buffer: pad, the input row, what the last chunk's taps reach
-        past it (identity), and a chunk of slack for unmasked loads."""
+        """Columns of the row buffer: the lead (identity), the input row, what the last
+        chunk's taps reach past it (identity), and a chunk of slack for unmasked loads."""
         c = self.p.cols
         reach = c.stride * (c.out - 1 + (0 if self.nhwc else LANES)) + c.last + 1
-        return c.pad + max(c.size, reach) + 2 * LANES
+        return self.lead() + max(c.size, reach) + 2 * LANES
+
+    def aligned_taps(self) -> bool:
+        """Whether the NCHW column pass reads its row buffer as aligned vectors and takes
+        the taps apart in registers (:meth:`aligned_column`): stride 2, no dilation, taps
+        at -1..2 columns from ``2 * w``. The unaligned loads of the other form each span
+        two of the row pass's stores, which the store buffer cannot forward: they wait
+        for both stores to reach L1 (BN -> ReLU -> 3x3/2 max-pool, NCHW, data in cache:
+        0.088 ms per image that way, 0.053 aligned)."""
+        c = self.p.cols
+        return (
+            not self.nhwc
+            and c.stride == 2
+            and c.dilation == 1
+            and -1 <= c.first
+            and c.last <= 2
+            and c.pad <= LANES
+        )
+
+    def lead(self) -> int:
+        """Identity floats before input column 0 in the row buffer: the window's pad, or
+        one whole vector where the column pass reads aligned vectors (column 0 on a
+        64-byte boundary; the vector before it holds column -1)."""
+        return LANES if self.aligned_taps() else self.p.cols.pad
 
     def identity(self) -> str:
         return self.w.c_float(IDENTITY[self.p.op])
@@ -843,8 +866,14 @@ class SeparableWriter:
         self.row_pass(d, cw, guarded)
         self.emit(d, "for (int w0_ = lo_w_; w0_ <= hi_w_; w0_ += 16) {")
         self.emit(d + 1, "const __mmask16 mk = mw_range(0, hi_w_ - w0_);")
-        self.emit(d + 1, f"const float *q_ = &{self.buf}[{cols.pad} + {s} * w0_ + {cols.offset}];")
-        for line in self.column_body(self.vec("w", "w0_"), cw, staged):
+        if self.aligned_taps():
+            body = self.aligned_column(self.vec("w", "w0_"), staged)
+        else:
+            self.emit(
+                d + 1, f"const float *q_ = &{self.buf}[{cols.pad} + {s} * w0_ + {cols.offset}];"
+            )
+            body = self.column_body(self.vec("w", "w0_"), cw, staged)
+        for line in body:
             self.emit(d + 1, line)
         self.emit(d, "}")
 
@@ -861,7 +890,7 @@ class SeparableWriter:
         self.emit(d, f"for (int {x0} = xlo_; {x0} <= xhi_; {x0} += 16) {{")
         self.emit(d + 1, f"const __mmask16 mk = mw_range(0, xhi_ - {x0});")
         v = self.vec(XVAR, x0)
-        return v, f"&{self.buf}[{self.p.cols.pad} + {x0}]", d + 1
+        return v, f"&{self.buf}[{self.lead()} + {x0}]", d + 1
 
     def close(self, d: int, depth: int) -> None:
         for i in reversed(range(d, depth)):
@@ -1015,6 +1044,37 @@ class SeparableWriter:
             off = cols.dilation * k * cw
             out.append(f"const __m512 z{k - cols.k0}_ = {self.column_tap(off)};")
             names.append(f"z{k - cols.k0}_")
+        self.reduce(names, out, "t_", check=[])
+        return out + self.finish(v, staged)
+
+    def aligned_column(self, v: VecExpr, staged: bool) -> list[str]:
+        """One chunk of the stride-2 column pass from vectors of the row buffer (aligned
+        where the row starts on a chunk, ``lo_w_`` a multiple of 8; unaligned loads
+        otherwise):
+        ``a_``, ``b_`` (columns ``2 * w0_`` ..  ``+ 31``), ``e_``/``o_`` their even and odd
+        columns (two permutes); a tap one column left is ``o_`` shifted in from the
+        vector before (``valignd``), one column right of the even ones ``e_`` shifted in
+        from the vector after."""
+        cols = self.p.cols
+        offsets = [cols.first + k for k in range(cols.k1 - cols.k0 + 1)]
+        out = [
+            f"const float *q_ = &{self.buf}[{self.lead()} + 2 * w0_];",
+            "const __m512 a_ = _mm512_loadu_ps(q_), b_ = _mm512_loadu_ps(q_ + 16);",
+            "const __m512 e_ = _mm512_permutex2var_ps(a_, _mm512_load_si512(mw_even), b_);",
+            "const __m512 o_ = _mm512_permutex2var_ps(a_, _mm512_load_si512(mw_odd), b_);",
+        ]
+        taps = {
+            0: "e_",
+            1: "o_",
+            -1: "_mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(o_), "
+            "_mm512_castps_si512(_mm512_loadu_ps(q_ - 16)), 15))",
+            2: "_mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512("
+            "_mm512_loadu_ps(q_ + 32)), _mm512_castps_si512(e_), 1))",
+        }
+        names = []
+        for i, o in enumerate(offsets):
+            out.append(f"const __m512 z{i}_ = {taps[o]};")
+            names.append(f"z{i}_")
         self.reduce(names, out, "t_", check=[])
         return out + self.finish(v, staged)
 
