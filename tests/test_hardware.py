@@ -288,3 +288,26 @@ def test_detect_cuda_reads_the_current_device(monkeypatch: pytest.MonkeyPatch) -
     assert hw.name == "Some GPU" and hw.cores == 20
     assert hw.peak_gflops == pytest.approx(20 * 128 * 2 * 1.98, rel=1e-3)
     assert hw.peak_gflops != GPU_DEFAULTS["peak_gflops"]
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_the_gemm_peak_is_the_faster_of_mkl_and_onednn(monkeypatch, onednn: bool) -> None:
+    """measure_cpu times torch.mm, then oneDNN's linear where this PyTorch has it, then
+    the triad; the GEMM peak is the faster GEMM's (on AMD, MKL's sgemm ran at half of
+    oneDNN's speed)."""
+    times = iter([0.010, 0.005, 0.004] if onednn else [0.010, 0.004])
+    monkeypatch.setattr(hwmod, "_median_time", lambda fn, runs, calls=1: (next(times), 1.0))
+    if not onednn:
+        monkeypatch.setattr(hwmod, "_onednn_gemm", lambda a, b: None)
+    m = hwmod.measure_cpu(runs=1)
+    assert m.gflops == pytest.approx(2 * 1024**3 / (0.005 if onednn else 0.010) / 1e9)
+
+
+def test_the_onednn_gemm_computes_a_times_b_transposed() -> None:
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 48, generator=gen), torch.randn(32, 48, generator=gen)
+    fn = hwmod._onednn_gemm(a, b)
+    if fn is None:
+        pytest.skip("this PyTorch has no oneDNN")
+    want = a @ b.T
+    torch.testing.assert_close(fn(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

@@ -305,8 +305,8 @@ class OptimizedModule(nn.Module):
         repeat = self._repeat
         if repeat is not None and self._same_as_before(repeat, inputs):
             if not (self._original.training or any(m.training for m in self._all_modules)):
-                weights = self._weights
-                if weights is None or weights.current():
+                weights = self._weights  # None: plans forgotten meanwhile (another thread)
+                if weights is not None and weights.current():
                     return self._run_plan(repeat.entry, inputs, repeat.sig)
         try:
             dense_inputs, sig = dense_signature(inputs)
