@@ -141,9 +141,12 @@ def test_report_rows_and_table() -> None:
         assert r.runs_as in ("vendor", "generated")
         assert r.bound in ("io", "param", "compute")
         # a row runs as intended (no reason), or it is an io node the fusion left to the
-        # framework, and it says why
+        # framework, or the default's rule picked an algorithm other than the vendor call
+        # (the linear layer on one row: the GEMV), and it says why
         left_out = r.bound == "io" and r.runs_as == "vendor"
-        assert bool(r.reason) == left_out, r
+        picked = r.algorithm not in ("", "vendor")
+        assert bool(r.reason) == (left_out or picked), r
+        assert r.op != "linear" or r.algorithm == "gemv", r
     text = str(report)
     assert f"{len(report.rows)} nodes" in text
     assert "conv2d" in report.verbose() and "vendor" in report.verbose()
