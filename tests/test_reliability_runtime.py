@@ -346,3 +346,37 @@ def test_a_plan_that_raises_while_running(mode: str, tree_close) -> None:
         _check(optimized, model, x, tree_close)
     assert "is_contiguous" in str(optimized.report())
     _check(optimized, model, x, tree_close)
+
+
+class _BnAdd(nn.Module):
+    """A plan builds for a float64 input beside a float32 one (the trace does not check
+    dtypes), and fails when it runs, as eager does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(x)) + y
+
+
+def test_inputs_the_model_rejects_at_run_time_raise_the_users_error(tree_close) -> None:
+    """A plan that fails on inputs the original model itself refuses in eager PyTorch
+    raises one clear error naming the problem and the fix, with no internal-failure
+    warning, and the signature is not marked as the original's: the module stays as
+    it was (the same signature with good inputs still runs its plan)."""
+    import warnings
+
+    from middleware.errors import InputTypeError
+
+    model = _BnAdd().eval()
+    optimized = middleware.optimize(model)
+    x, y = torch.randn(2, 4, 5, 5, dtype=torch.float64), torch.randn(2, 4, 5, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InputTypeError, match="float64.*x.to\\(torch.float32\\)"):
+            optimized(x, y)
+    report = str(optimized.report())
+    assert "plan failed while running" not in report
+    entry = optimized._plans.get(optimized._signature([x, y]))
+    assert entry is None or entry.plan is not None

@@ -386,10 +386,17 @@ class OptimizedModule(nn.Module):
             return self._compile(inputs, sig)
 
     def _run_failed(self, inputs: Sequence[torch.Tensor], sig: tuple, failure: Exception) -> Any:
-        """A plan raised while running (validated inputs, so a middleware bug): this signature
-        runs as the original model from now on, with the reason in report()."""
+        """A plan raised while running. Where the original model rejects the same inputs in
+        eager PyTorch (a float64 input to a float32 model, whose plan built), the user gets
+        that one clear error and the module stays as it was; otherwise it is a middleware
+        bug: this signature runs as the original model from now on, with the reason in
+        report(), and this call returns the original's output."""
         if isinstance(failure, MiddlewareError) or getattr(self.options, "check_memory", False):
             raise failure  # raised on purpose, or a debug check the user asked to hear
+        try:
+            out = self._original(*inputs)
+        except Exception as model_error:  # noqa: BLE001 - re-raised as the user's error
+            raise rejected(self._original, inputs, model_error) from model_error
         reason = self._internal_failure(
             f"the plan failed while running ({first_line(failure)}); this input signature "
             "runs as the original PyTorch code",
@@ -398,7 +405,7 @@ class OptimizedModule(nn.Module):
         )
         with self._compile_lock:
             self._runs_as_original(inputs, sig, reason)
-        return self._original(*inputs)
+        return out
 
     # ------------------------------------------------------------------ training
     def _forward_train(self, inputs: Sequence[torch.Tensor], key: tuple) -> Any:
