@@ -290,17 +290,25 @@ def test_detect_cuda_reads_the_current_device(monkeypatch: pytest.MonkeyPatch) -
     assert hw.peak_gflops != GPU_DEFAULTS["peak_gflops"]
 
 
-@pytest.mark.parametrize("onednn", [True, False])
-def test_the_gemm_peak_is_the_faster_of_mkl_and_onednn(monkeypatch, onednn: bool) -> None:
+@pytest.mark.parametrize(
+    "onednn,times,want",
+    [
+        ("faster", [0.010, 0.005, 0.004], 0.005),
+        ("slower", [0.005, 0.010, 0.004], 0.005),
+        ("missing", [0.010, 0.004], 0.010),
+    ],
+)
+def test_the_gemm_peak_is_the_faster_of_mkl_and_onednn(monkeypatch, onednn, times, want) -> None:
     """measure_cpu times torch.mm, then oneDNN's linear where this PyTorch has it, then
     the triad; the GEMM peak is the faster GEMM's (on AMD, MKL's sgemm ran at half of
-    oneDNN's speed)."""
-    times = iter([0.010, 0.005, 0.004] if onednn else [0.010, 0.004])
-    monkeypatch.setattr(hwmod, "_median_time", lambda fn, runs, calls=1: (next(times), 1.0))
-    if not onednn:
-        monkeypatch.setattr(hwmod, "_onednn_gemm", lambda a, b: None)
+    oneDNN's speed), torch.mm's alone where oneDNN is missing."""
+    it = iter(times)
+    monkeypatch.setattr(hwmod, "_median_time", lambda fn, runs, calls=1: (next(it), 1.0))
+    fake = None if onednn == "missing" else (lambda: None)
+    monkeypatch.setattr(hwmod, "_onednn_gemm", lambda a, b: fake)
     m = hwmod.measure_cpu(runs=1)
-    assert m.gflops == pytest.approx(2 * 1024**3 / (0.005 if onednn else 0.010) / 1e9)
+    assert m.gflops == pytest.approx(2 * 1024**3 / want / 1e9)
+    assert m.gbs == pytest.approx(3 * 4 * 32 * 1024 * 1024 / 0.004 / 1e9)
 
 
 def test_the_onednn_gemm_computes_a_times_b_transposed() -> None:

@@ -123,3 +123,30 @@ def test_profiler_counts_kept_outputs_as_io_not_parameters() -> None:
     assert result.optimized.param_bytes == 0, result  # the model has no parameters
     assert result.optimized.peak_io_bytes >= out_bytes + sum(x.numel() * 4 for x in xs)
     assert result.optimized.peak_io_bytes == result.planned_peak_io_bytes, result
+
+
+@pytest.mark.parametrize("first", ["inference", "plain"])
+def test_outputs_take_the_calls_inference_mode(first: str) -> None:
+    """A recycled buffer made under ``torch.inference_mode()`` is handed to a later call
+    outside it as a normal tensor (autograd can use it), and a buffer made outside it is
+    an inference tensor under it: each output is an inference tensor exactly when eager's
+    is, whichever call made the buffer."""
+    model, xs = _model_and_inputs("nchw")
+    opt = middleware.optimize(model, example_inputs=xs)
+    w = torch.ones(1, requires_grad=True)
+    modes = ["inference", "plain"] if first == "inference" else ["plain", "inference"]
+    for _ in range(3):  # buffers made in both modes, then reused in both
+        for mode in modes:
+            if mode == "inference":
+                with torch.inference_mode():
+                    y = opt(*xs)
+                    want = model(*xs)
+            else:
+                with torch.no_grad():
+                    want = model(*xs)
+                y = opt(*xs)
+            assert y.is_inference() == want.is_inference() == (mode == "inference")
+            torch.testing.assert_close(y, want)
+            if mode == "plain":
+                (y * w).sum().backward()  # an inference tensor refuses this
+            del y

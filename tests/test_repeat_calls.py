@@ -1,10 +1,12 @@
 """Repeated calls take a guarded path (``module._Repeat``: the previous call's signature
 behind TorchDynamo's C++ tensor guards) that skips the Python signature. Over random call
-sequences whose inputs change layout, strides, dtype, shape, requires_grad and
-inference-mode-ness between calls, every output equals eager PyTorch's, and the path is
-taken exactly when the inputs match the previous call's."""
+sequences whose inputs change layout, strides, shape, requires_grad and
+inference-mode-ness between calls, every output equals eager PyTorch's, and a call whose
+dense inputs repeat the previous call's takes the guarded path."""
 
 from __future__ import annotations
+
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -78,11 +80,26 @@ def shared() -> tuple[nn.Module, nn.Module]:
 def test_repeated_calls_equal_eager(calls, seed) -> None:
     model, opt = shared()
     gen = torch.Generator().manual_seed(seed)
+    previous = None
+    signatures: list[int] = []
+    real = module_mod.dense_signature
+
+    def counting(inputs):
+        signatures.append(1)
+        return real(inputs)
+
     for kind, hw, grad_mode in calls:
         shape = (2, 4, hw, hw)
         x, y = make(kind, shape, gen), make("plain", shape, gen)
-        with torch.set_grad_enabled(grad_mode):
+        before = len(signatures)
+        with (
+            torch.set_grad_enabled(grad_mode),
+            mock.patch.object(module_mod, "dense_signature", counting),
+        ):
             got = opt(x, y)
+        if (kind, hw) == previous and kind in ("plain", "channels_last", "grad"):
+            assert len(signatures) == before, (kind, hw)  # a repeat: the guarded path
+        previous = (kind, hw)
         with torch.no_grad():  # eager refuses inference tensors where autograd records
             want = model(x, y)
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -105,10 +122,13 @@ def test_a_repeat_skips_the_python_signature(monkeypatch) -> None:
     opt(x, y)
     first = len(calls)
     for _ in range(3):  # same types, sizes and strides: the guarded path
-        close_to_scale(opt(x, y), model(x, y))
+        got = opt(x, y)
+        with torch.no_grad():
+            close_to_scale(got, model(x, y))
     assert len(calls) == first
     xc = x.contiguous(memory_format=torch.channels_last)  # other strides: the Python path
-    close_to_scale(opt(xc, y), model(xc, y))
+    with torch.no_grad():
+        close_to_scale(opt(xc, y), model(xc, y))
     assert len(calls) == first + 1
     with torch.no_grad():  # a changed weight is still noticed on the guarded path
         model.bn.weight.mul_(2)
@@ -132,3 +152,42 @@ def test_copies_guard_their_own_calls() -> None:
     with torch.no_grad():
         close_to_scale(clone(x, y), model(x, y))
     assert clone._repeat is not None and clone._repeat is not opt._repeat
+
+
+class _Racing(dict):
+    """The plans table whose first lookup lets ``hook`` run in between, as another thread
+    could between a call's lookup and its guard being published."""
+
+    def __init__(self, plans: dict, hook) -> None:  # noqa: ANN001
+        super().__init__(plans)
+        self.hook = hook
+
+    def get(self, key, default=None):  # noqa: ANN001, ANN201
+        found = super().get(key, default)
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return found
+
+
+def test_a_guard_is_never_published_for_a_forgotten_plan() -> None:
+    """Between a call's plan lookup and its guard being published, another thread writes
+    a weight, refreshes and rebuilds: the late guard must not serve the old plan (built
+    from the old weight) to the calls after."""
+    model = Block().eval()
+    opt = middleware.optimize(model, device="cpu")
+    x, y = torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6)
+    xc = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        opt(x, y)  # the plan of the contiguous signature
+        opt(xc, y)  # the guard holds the channels_last call: the next one takes the lookup
+
+        def other_thread() -> None:
+            model.bn.weight.data.mul_(3)  # a .data write: noticed only through refresh()
+            opt.refresh()
+            close_to_scale(opt(x, y), model(x, y))  # rebuilds with the new weight
+
+        opt.__dict__["_plans"] = _Racing(opt._plans, other_thread)
+        opt(x, y)  # looks up the old plan, then publishes its guard
+        for _ in range(2):
+            close_to_scale(opt(x, y), model(x, y))

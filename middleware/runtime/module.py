@@ -339,9 +339,13 @@ class OptimizedModule(nn.Module):
             if entry is None:
                 return self._original(*inputs)
         if guard and entry.plan is not None:
-            repeat = self._repeat
-            if repeat is None or repeat.entry is not entry:
-                self.__dict__["_repeat"] = _repeat_of(inputs, sig, entry)
+            # this call's inputs, which the guard missed (or a new plan): guard them
+            repeat = _repeat_of(inputs, sig, entry)
+            self.__dict__["_repeat"] = repeat
+            if repeat is not None and self._plans.get(sig) is not entry:
+                # another thread forgot or replaced the plans since the lookup: a guard
+                # published now would serve the old plan to every later call
+                self.__dict__["_repeat"] = None
         return self._run_plan(entry, inputs, sig)
 
     def _run_plan(self, entry: Compiled, inputs: Sequence[Any], sig: tuple) -> Any:
@@ -388,7 +392,8 @@ class OptimizedModule(nn.Module):
     def _run_failed(self, inputs: Sequence[torch.Tensor], sig: tuple, failure: Exception) -> Any:
         """A plan raised while running. Where the original model rejects the same inputs in
         eager PyTorch (a float64 input to a float32 model, whose plan built), the user gets
-        that one clear error and the module stays as it was; otherwise it is a middleware
+        that one clear error and the module forgets the signature (and the input spec taken
+        from it, when it was the first); otherwise it is a middleware
         bug: this signature runs as the original model from now on, with the reason in
         report(), and this call returns the original's output."""
         if isinstance(failure, MiddlewareError) or getattr(self.options, "check_memory", False):
@@ -396,6 +401,11 @@ class OptimizedModule(nn.Module):
         try:
             out = self._original(*inputs)
         except Exception as model_error:  # noqa: BLE001 - re-raised as the user's error
+            with self._compile_lock:  # the module as before this call: no plan, no spec
+                self._plans.pop(sig, None)
+                self._repeat = None
+                if not self._plans:
+                    self._specs = None  # taken from these inputs, which nothing accepts
             raise rejected(self._original, inputs, model_error) from model_error
         reason = self._internal_failure(
             f"the plan failed while running ({first_line(failure)}); this input signature "

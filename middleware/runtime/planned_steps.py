@@ -188,7 +188,9 @@ class Recycled:
     Python object's reference count are checked against the values they had when nobody
     else could hold them), not moved to shared memory, not resized. Otherwise a new buffer
     is allocated, and it replaces the oldest one kept. Each call hands out a new tensor
-    object over the buffer (``set_``), never a view.
+    object over the buffer (``detach()``, or ``set_`` where the call's inference mode is
+    not the buffer's: an output is an inference tensor exactly when eager's would be),
+    never a view.
 
     A plan runs its planned steps under a lock (``Plan.run``), so two threads never take
     the same buffer. At most ``KEEP`` outputs stay allocated after the user dropped them.
@@ -228,7 +230,7 @@ class Recycled:
         view; a third of ``torch.empty(0).set_()``'s cost on a cold cache)."""
         for held, free in self.kept:
             if self._state(held) == free:
-                return held[0].detach()
+                return self._hand_out(held[0])
         mine = empty_of(self.type, self.device)  # never handed out: only shares its storage
         st = mine.untyped_storage()
         held = (mine, st, st._cdata)
@@ -239,7 +241,19 @@ class Recycled:
         else:
             self.kept[self.next] = entry
             self.next = (self.next + 1) % self.KEEP
-        return mine.detach()
+        return self._hand_out(mine)
+
+    @staticmethod
+    def _hand_out(kept: torch.Tensor) -> torch.Tensor:
+        """A new tensor over ``kept``'s storage: ``detach()`` keeps the buffer's inference
+        mode, so where the call's differs (a buffer made under ``torch.inference_mode()``,
+        a call outside it) the tensor is made in the call's mode, as eager's output is."""
+        if kept.is_inference() == _inference_mode():
+            return kept.detach()
+        return torch.empty(0, dtype=kept.dtype, device=kept.device).set_(kept)
+
+
+_inference_mode = torch.is_inference_mode_enabled
 
 
 def empty_of(t: TensorType, device: torch.device) -> torch.Tensor:
