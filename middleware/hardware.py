@@ -63,6 +63,12 @@ class Hardware:
         return self.peak_gflops / self.bandwidth_gbs
 
     @property
+    def amd(self) -> bool:
+        """An AMD CPU (or Hygon's, on AMD's Zen cores): the generated code's prefetch hint
+        and the default's Winograd rule differ there, measured."""
+        return self.vendor in ("AuthenticAMD", "HygonGenuine")
+
+    @property
     def simd_floats(self) -> int:
         return max(1, self.simd_bytes // 4)
 

@@ -70,3 +70,13 @@ def assert_tree_close(got: Any, expected: Any, rtol: float, atol: float, path: s
 def tree_close():
     """``tree_close(got, expected, rtol=..., atol=...)``: see :func:`assert_tree_close`."""
     return assert_tree_close
+
+
+@pytest.fixture
+def winograd_generic_rule(monkeypatch):
+    """The default's Winograd rule of every CPU but AMD's (``winograd.MIN_CHANNELS`` and
+    ``MIN_PIXELS``, which tests lower to reach small layers) on whatever host runs the
+    tests: the AMD rule has tests of its own (test_winograd.py)."""
+    from middleware.backends.vendor import winograd
+
+    monkeypatch.setattr(winograd, "AMD_RULE", ())

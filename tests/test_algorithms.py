@@ -26,6 +26,9 @@ from middleware.errors import OptionsError
 from middleware.ops import get_op
 from middleware.options import Options
 
+# the default's Winograd rule of a non-AMD CPU whatever the host (conftest.py)
+pytestmark = pytest.mark.usefixtures("winograd_generic_rule")
+
 CL = torch.channels_last
 CPU = torch.device("cpu")
 

@@ -24,6 +24,9 @@ from middleware.backends.vendor import algorithms as alg
 from middleware.backends.vendor import tuning
 from middleware.options import Options
 
+# the default's Winograd rule of a non-AMD CPU whatever the host (conftest.py)
+pytestmark = pytest.mark.usefixtures("winograd_generic_rule")
+
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_TIMES = {"im2col_gemm": 1.0, "vendor": 2.0, "winograd_f4x4": 10.0}
 

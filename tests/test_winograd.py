@@ -9,6 +9,8 @@ tolerance of the network tests.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -22,6 +24,9 @@ from middleware.graph import Node
 from middleware.ops import get_op
 from middleware.options import Options
 from middleware.pipeline import compile_graph
+
+# the default's Winograd rule of a non-AMD CPU whatever the host (conftest.py)
+pytestmark = pytest.mark.usefixtures("winograd_generic_rule")
 
 CL = torch.channels_last
 
@@ -321,3 +326,29 @@ def test_vendor_algorithms_default_is_winograd_by_rule_then_the_direct_call(monk
     assert vendor_call(small, small_node, cpu, Options(cache_dir=tmp_path), hardware())[1] == ""
     relu = Node("r", "relu", ("x",), ("y",))
     assert vendor_call(g, relu, cpu, Options(cache_dir=tmp_path), hardware()) is None
+
+
+@pytest.mark.parametrize(
+    "shape,cout,intel,amd",
+    [
+        ((16, 256, 28, 28), 512, True, True),  # vgg16's 256->512 @28: Winograd on both
+        ((4, 128, 112, 112), 128, True, True),  # >= 128 channels over >= 50176 pixels
+        ((16, 64, 56, 56), 64, True, False),  # resnet18's 64 @56: oneDNN on AMD
+        ((16, 128, 28, 28), 128, True, False),  # resnet18's 128 @28
+        ((16, 512, 14, 14), 512, True, False),  # 3136 pixels
+        ((1, 512, 14, 14), 512, False, False),  # 196 pixels: neither
+    ],
+)
+def test_the_rule_looks_at_the_cpu(monkeypatch, shape, cout, intel, amd) -> None:
+    """The default's Winograd rule is the measured one of the CPU's kind: AMD_RULE on AMD
+    (and Hygon), MIN_CHANNELS/MIN_PIXELS elsewhere; without a hardware description the
+    latter; a refusal names the rule it applied."""
+    monkeypatch.undo()  # the shipped AMD rule, not the module's generic-rule fixture
+    g, node = conv_graph(shape, (cout, shape[1], 3, 3), "nhwc", padding=1)
+    for vendor, want in (("GenuineIntel", intel), ("AuthenticAMD", amd), ("HygonGenuine", amd)):
+        hw = dataclasses.replace(hardware(), vendor=vendor)
+        why = wg.why_not(g, node, hw)
+        assert (why is None) == want, (vendor, why)
+        if why is not None and vendor != "GenuineIntel" and intel:
+            assert "on AMD the rule wants" in why
+    assert (wg.why_not(g, node) is None) == intel

@@ -652,7 +652,7 @@ def default_choice(
         node.op == "conv2d"
         and options.winograd
         and device.type == "cpu"
-        and wg.why_not(graph, node) is None
+        and wg.why_not(graph, node, hardware) is None
         and over_cap(WINOGRAD_F4X4, graph, node, options) is None
     ):
         fn = wg.winograd_kernel(graph, node, options, hardware)

@@ -65,6 +65,16 @@ CHANNEL_MULTIPLE = 16  # the transforms' SIMD block (one AVX-512 register)
 # resnet18 at batch 16 with its 7x7 512-channel layers as Winograd held 153 MiB of
 # parameters (the original 45) and ran in 182 ms; without them, 72 MiB and 237 ms.
 MIN_PIXELS = 2048
+# The rule on AMD: (min channels, min output pixels) pairs, any of which admits a layer.
+# Measured on the AMD EPYC (Zen 5) host against oneDNN's primitives, batch 16, two
+# threads (bench/algorithms.py --net-layers, session 13; the constants above came from
+# the Intel host, against the older per-call oneDNN path): Winograd F(4x4) won on vgg16's
+# 128->128 @112 (1%), 128->256 @56 (6%), 256->256 @56 (13%), 256->512 and 512->512 @28
+# (13-17%), and lost on 64->64 @224 (21%), 64->128 @112 (6%), 512->512 @14 (10%) and every
+# 3x3 layer of resnet18 (64 @56 11%, 128 @28 5%, 256 @14 17%, 512 @7 7%); in whole
+# networks the Intel rule cost alexnet 17% and resnet50 6% there. Empty: the rule above
+# everywhere (the tests of the Winograd arithmetic through the default's rule).
+AMD_RULE: tuple[tuple[int, int], ...] = ((256, 12544), (128, 50176))
 # Bytes of V + M per chunk of tiles, and the least tiles per chunk (smaller GEMMs lose
 # more to the re-read of U than the cache saves).
 WORKSPACE_BYTES = 8 << 20
@@ -182,14 +192,25 @@ def why_not_applicable(graph: Graph, node: Node) -> str | None:
     return None
 
 
-def why_not(graph: Graph, node: Node) -> str | None:
-    """None when ``node`` runs faster as Winograd by the measured rule, else why not (the
-    default's choice; :func:`why_not_applicable` says whether it can run at all)."""
+def why_not(graph: Graph, node: Node, hardware: Hardware | None = None) -> str | None:
+    """None when ``node`` runs faster as Winograd by the measured rule of ``hardware``'s
+    kind (:data:`AMD_RULE` on AMD, :data:`MIN_CHANNELS` and :data:`MIN_PIXELS` elsewhere),
+    else why not (the default's choice; :func:`why_not_applicable` says whether it can run
+    at all)."""
     reason = why_not_applicable(graph, node)
     if reason is not None:
         return reason
     x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
     c, k = x_t.shape[1], out_t.shape[1]
+    if hardware is not None and hardware.amd and AMD_RULE:
+        pixels = out_t.shape[0] * out_t.shape[2] * out_t.shape[3]
+        if any(min(c, k) >= mc and pixels >= mp for mc, mp in AMD_RULE):
+            return None
+        wants = " or ".join(f">= {mc} channels over >= {mp}" for mc, mp in AMD_RULE)
+        return (
+            f"{c}->{k} channels over {pixels} output pixels: on AMD the rule wants {wants} "
+            "(oneDNN's direct kernels are faster below)"
+        )
     if min(c, k) < MIN_CHANNELS:
         return f"{c}->{k} channels (the rule wants >= {MIN_CHANNELS}, multiples of 16)"
     if out_t.shape[0] * out_t.shape[2] * out_t.shape[3] < MIN_PIXELS:
@@ -265,7 +286,7 @@ def prebuild(graph: Graph, options: Options, hardware: Hardware) -> threading.Th
     which reports them."""
     reqs = {}
     for node in graph.nodes():
-        if why_not(graph, node) is None:
+        if why_not(graph, node, hardware) is None:
             try:
                 kname, src = render(_epilogue(node), max(1, hardware.cores))
             except NotFusable:

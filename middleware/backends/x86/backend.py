@@ -290,8 +290,7 @@ def prefetch_hint(hardware: Hardware) -> str:
     streaming kernel of the same bytes, NCHW 71% with T1 and 93% with T0 (no prefetch
     65%), channels_last 76-84% with T1 and 88-90% with T0; on the Intel host T1 led T0 by
     2-5 points (session 8)."""
-    amd = hardware.vendor in ("AuthenticAMD", "HygonGenuine")  # Hygon: AMD's Zen cores
-    return "_MM_HINT_T0" if amd else window.PREFETCH_HINT
+    return "_MM_HINT_T0" if hardware.amd else window.PREFETCH_HINT
 
 
 def _record(schedule: Schedule, built: Built) -> index.IndexRecord:
