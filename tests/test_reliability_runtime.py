@@ -19,6 +19,10 @@ import torch.nn.functional as F
 
 import middleware
 
+# the default's Winograd rule of a non-AMD CPU whatever the host (conftest.py): the
+# weight-tracking tests need a Winograd convolution
+pytestmark = pytest.mark.usefixtures("winograd_generic_rule")
+
 OPT_RTOL, OPT_ATOL = 1e-4, 1e-4
 
 
