@@ -304,7 +304,7 @@ class OptimizedModule(nn.Module):
             )
         repeat = self._repeat
         if repeat is not None and self._same_as_before(repeat, inputs):
-            if not (self._original.training or any(m.training for m in self._all_modules)):
+            if not self._training_call():
                 weights = self._weights  # None: plans forgotten meanwhile (another thread)
                 if weights is not None and weights.current():
                     return self._run_plan(repeat.entry, inputs, repeat.sig)
@@ -312,13 +312,17 @@ class OptimizedModule(nn.Module):
             dense_inputs, sig = dense_signature(inputs)
         except AttributeError:  # an input that is not a tensor
             return self._forward_structured(inputs)
-        if self._original.training or any(m.training for m in self._all_modules):
+        if self._training_call():
             # the inference plans compute eval semantics, of every submodule
             return self._forward_train(dense_inputs, (sig, mode_key(self._original)))
         weights = self._weights
         if weights is not None and not weights.current():
             self._revalidate()
         return self._plan_call(dense_inputs, sig, guard=dense_inputs is inputs)
+
+    def _training_call(self) -> bool:
+        """The original, or any submodule switched on its own, is in training mode."""
+        return self._original.training or any(m.training for m in self._all_modules)
 
     @staticmethod
     def _same_as_before(repeat: _Repeat, inputs: Sequence[Any]) -> bool:
@@ -375,7 +379,7 @@ class OptimizedModule(nn.Module):
         the model through TorchDynamo (``compile_fn``: the frontend refuses such inputs with
         a ``TraceError``), whose subgraphs over tensors are optimized and whose guards follow
         the inputs' structure; inference only."""
-        if self._original.training or any(m.training for m in self._all_modules):
+        if self._training_call():
             self._check_types(inputs)  # raises: training plans take tensors only
         return self._plan_call(inputs, _STRUCTURED)
 
