@@ -58,6 +58,7 @@ from middleware.backends.x86 import X86Backend
 from middleware.backends.x86.compile import build_c
 from middleware.hardware import detect
 from middleware.options import Options
+from middleware.runtime.pages import advise_huge_pages
 
 STREAM_C = r"""
 #include <stddef.h>
@@ -203,9 +204,12 @@ class Native:
         return run, 3 * 4 * n
 
 
-def _aligned(n: int) -> torch.Tensor:
-    """A float tensor of ``n`` elements starting on a 64-byte boundary."""
+def _aligned(n: int, huge: bool = False) -> torch.Tensor:
+    """A float tensor of ``n`` elements starting on a 64-byte boundary (``huge``: advised
+    to 2 MiB pages before its first write)."""
     raw = torch.empty(n + 16)
+    if huge:
+        advise_huge_pages(raw)
     off = (-(raw.data_ptr() // 4)) % 16
     return raw[off : off + n]
 
@@ -264,7 +268,9 @@ def bench_case(
         runs["kernel"] = kernel_run
     out_bytes = ref.numel() * 4
     in_bytes = sum(x.numel() * 4 for x in xs)
-    sink = _aligned(ref.numel())
+    # written into memory of the kind optimize() writes its outputs to: with
+    # Options.huge_pages (the default), memory advised to 2 MiB pages (runtime/pages.py)
+    sink = _aligned(ref.numel(), huge=Options().huge_pages)
     # the very memory optimize() reads (a copy of the inputs elsewhere streamed up to 15%
     # faster than the originals on this host: where the pages lie matters, so the bound
     # reads the same pages)
@@ -356,6 +362,7 @@ def _kernel_into_buffer(
     by_name = dict(zip(g.inputs, xs, strict=True))
     args = [by_name[v] for v in kernel.inputs]
     out = kernel.fn(*args)
+    advise_huge_pages(out)  # as optimize()'s own outputs (runtime/pages.py)
 
     def run() -> object:
         kernel.out_fn(*args, out)

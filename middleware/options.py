@@ -30,6 +30,12 @@ def check_memory_default() -> bool:
     return os.environ.get("MIDDLEWARE_CHECK_MEMORY", "") not in ("", "0")
 
 
+def huge_pages_default() -> bool:
+    """``$MIDDLEWARE_HUGE_PAGES=0`` keeps the runtime's CPU buffers on 4 KiB pages
+    (``Options.huge_pages``); anything else, or unset, asks for 2 MiB pages."""
+    return os.environ.get("MIDDLEWARE_HUGE_PAGES", "1") != "0"
+
+
 def onednn_primitives_default() -> bool:
     """``$MIDDLEWARE_ONEDNN_PRIMITIVES=0`` makes ``torch.ops.mkldnn`` the default for CPU
     convolutions (``Options.onednn_primitives``); anything else, or unset, primitives."""
@@ -119,6 +125,11 @@ class Options:
     # was not planned in (a framework allocation aliasing a live arena value); raises
     # runtime.memory.MemoryCheckError. Default: $MIDDLEWARE_CHECK_MEMORY.
     check_memory: bool = dataclasses.field(default_factory=check_memory_default)
+    # On CPU under Linux, the plan's long-lived buffers (the arena, recycled outputs) ask
+    # for transparent 2 MiB pages (runtime/pages.py: fewer TLB misses, prefetchers that do
+    # not stop every 4 KiB; up to a third faster generated kernels). Same bytes, same
+    # resident size. Default: $MIDDLEWARE_HUGE_PAGES (unset: on).
+    huge_pages: bool = dataclasses.field(default_factory=huge_pages_default)
     # Pin the hardware figures instead of measuring (middleware/hardware.py): a Hardware, or
     # a dict of its fields (kept as sorted (field, value) pairs). Default: $MIDDLEWARE_HARDWARE.
     hardware: Any = dataclasses.field(default_factory=hardware_from_env)

@@ -336,6 +336,7 @@ def _plan(
         plan_memory=options.plan_memory,
         owned=owned,
         check_memory=options.check_memory,
+        huge_pages=options.huge_pages,
     )
 
 

@@ -64,6 +64,7 @@ def plan_memory(
     device: torch.device,
     owned: Sequence[str] = (),
     check: bool | None = None,
+    huge_pages: bool = False,
 ) -> PlannedUnits:
     """Plan the buffers of ``units`` (``runtime.plan.Unit`` records, in execution order).
 
@@ -71,7 +72,8 @@ def plan_memory(
     in place or into concat slices where the plan says so; they compute the same values.
     ``check`` (default: ``Options.check_memory``'s default, i.e. ``MIDDLEWARE_CHECK_MEMORY``)
     wraps every step with ``planned_steps._checked``, which raises :class:`MemoryCheckError` when an
-    output lands in arena bytes its value was not planned in.
+    output lands in arena bytes its value was not planned in. ``huge_pages``: the arena,
+    recycled outputs and spilled classes ask for 2 MiB pages (runtime/pages.py).
     """
     plan = plan_buffers(graph, units, device, owned)
-    return build_steps(graph, units, device, plan, check)
+    return build_steps(graph, units, device, plan, check, huge_pages)

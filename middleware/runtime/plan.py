@@ -207,13 +207,16 @@ def build_plan(
     plan_memory: bool = False,
     owned: Sequence[str] = (),
     check_memory: bool | None = None,
+    huge_pages: bool = False,
 ) -> Plan:
     """Assemble a plan from ``units`` in execution order; without them every node runs on
     its own through the framework. ``plan_memory``: run it through the buffer planner
     (runtime/memory.py: one reused arena, in-place ops, concat slices). ``owned``: graph
     inputs the caller hands over (``run`` empties its input list): they are freed after
     their last read instead of living for the whole call. ``check_memory``: the planner's
-    run-time overlap check (``Options.check_memory``; None: its environment default)."""
+    run-time overlap check (``Options.check_memory``; None: its environment default).
+    ``huge_pages``: the planner's long-lived CPU buffers ask for 2 MiB pages
+    (``Options.huge_pages``, runtime/pages.py)."""
     slot_of: dict[str, int] = {}
 
     def slot(v: str) -> int:
@@ -280,7 +283,9 @@ def build_plan(
     plan.held_params = frozenset(held)
     if plan_memory:
         try:
-            planned = make_memory_plan(graph, units, device, owned, check=check_memory)
+            planned = make_memory_plan(
+                graph, units, device, owned, check=check_memory, huge_pages=huge_pages
+            )
             plan.use_memory_plan(planned)
         except Exception as e:  # noqa: BLE001 - a planner bug must not break optimize()
             warnings.warn(

@@ -20,6 +20,7 @@ from ..graph import Graph, TensorType
 from ..ops import get_op, torch_dtype
 from ..options import check_memory_default
 from .arena import BufferPlan, MemoryPlan
+from .pages import advise_huge_pages
 from .storage_classes import StorageClasses
 
 
@@ -41,8 +42,11 @@ def build_steps(
     device: torch.device,
     plan: BufferPlan,
     check: bool | None = None,
+    huge_pages: bool = False,
 ) -> PlannedUnits:
-    """The arena of ``plan`` and one step function per unit (see ``plan_memory``)."""
+    """The arena of ``plan`` and one step function per unit (see ``plan_memory``).
+    ``huge_pages``: the buffers that live as long as the plan (the arena, spilled classes,
+    recycled outputs) ask for 2 MiB pages (runtime/pages.py)."""
     pl, memory, where, scratch, types = (
         plan.classes,
         plan.memory,
@@ -52,6 +56,13 @@ def build_steps(
     )
     placements, offsets, arena_bytes = memory.placements, memory.offsets, memory.arena_bytes
     arena = torch.empty(arena_bytes, dtype=torch.uint8, device=device) if arena_bytes else None
+    if huge_pages and arena is not None:
+        advise_huge_pages(arena)
+
+    def lasting(t: TensorType) -> torch.Tensor:
+        """A framework allocation the plan keeps between calls."""
+        return empty_of(t, device, huge_pages)
+
     getters: dict[str, Callable[[], torch.Tensor]] = {}
     holders: dict[str, list[Any]] = {}
 
@@ -79,7 +90,7 @@ def build_steps(
 
             def g() -> torch.Tensor:
                 if holder[0] is None:
-                    holder[0] = empty_of(t, device)
+                    holder[0] = lasting(t)
                 return holder[0]
 
         getters[v] = g
@@ -87,7 +98,8 @@ def build_steps(
 
     recycled: list[Recycled] = []
     fns = [
-        _step_fn(pl, i, u, where, scratch, getter, holders, recycled) for i, u in enumerate(units)
+        _step_fn(pl, i, u, where, scratch, getter, holders, recycled, lasting)
+        for i, u in enumerate(units)
     ]
     for i in pl.copies:  # planned as copies: never an alias at run time
         if fns[i] is units[i].fn:
@@ -206,8 +218,15 @@ class Recycled:
     def applies(cls, t: TensorType, device: torch.device) -> bool:
         return device.type == "cpu" and t.nbytes >= cls.MIN_BYTES and cls._use_count is not None
 
-    def __init__(self, t: TensorType, device: torch.device) -> None:
+    def __init__(
+        self,
+        t: TensorType,
+        device: torch.device,
+        allocate: Callable[[TensorType], torch.Tensor] | None = None,
+    ) -> None:
         self.type, self.device = t, device
+        # how a new buffer is made (build_steps: with huge pages where the plan asks)
+        self.allocate = allocate or (lambda t: empty_of(t, device))
         # ((buffer, its storage's Python object, the storage's C++ address), the state of
         # the buffer while nobody else holds it); the storage object and address are taken
         # once: the per-call check is three cheap queries, not a new storage object
@@ -231,7 +250,7 @@ class Recycled:
         for held, free in self.kept:
             if self._state(held) == free:
                 return self._hand_out(held[0])
-        mine = empty_of(self.type, self.device)  # never handed out: only shares its storage
+        mine = self.allocate(self.type)  # never handed out: only shares its storage
         st = mine.untyped_storage()
         held = (mine, st, st._cdata)
         del st  # the storage object's references must be those _state counts in the loop
@@ -256,9 +275,14 @@ class Recycled:
 _inference_mode = torch.is_inference_mode_enabled
 
 
-def empty_of(t: TensorType, device: torch.device) -> torch.Tensor:
+def empty_of(t: TensorType, device: torch.device, huge_pages: bool = False) -> torch.Tensor:
+    """A framework allocation of value type ``t`` (``huge_pages``: asking for 2 MiB pages,
+    before anything writes it)."""
     fmt = torch.channels_last if t.rank == 4 and t.layout == "nhwc" else torch.contiguous_format
-    return torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device, memory_format=fmt)
+    out = torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device, memory_format=fmt)
+    if huge_pages:
+        advise_huge_pages(out)
+    return out
 
 
 def _step_fn(
@@ -270,6 +294,7 @@ def _step_fn(
     getter: Callable[[str], Callable[[], torch.Tensor]],
     holders: dict[str, list[Any]],
     recycled_pools: list[Recycled],
+    lasting: Callable[[TensorType], torch.Tensor],
 ) -> Callable[..., Any]:
     """The function the plan calls for unit ``i`` under the memory plan (a graph output's
     ``Recycled`` buffers are appended to ``recycled_pools``)."""
@@ -298,7 +323,7 @@ def _step_fn(
     ):
         # a graph output written through its destination form into memory that the user
         # has let go of (see Recycled): no page faults for a fresh allocation per call
-        recycled, out_form = Recycled(pl.graph.values[y], pl.device), form[0]
+        recycled, out_form = Recycled(pl.graph.values[y], pl.device, lasting), form[0]
         recycled_pools.append(recycled)
 
         def into_recycled(*ins):
