@@ -89,6 +89,11 @@ MAX_STAGED_PLANE = 16384
 # 12 rows 91% / 95%; no prefetch 69%. (Session 7, host load 10: T0 4 rows 85%, T1 82%.)
 PREFETCH_BYTES = 7168
 PREFETCH_HINT = "_MM_HINT_T1"
+# The channels_last forms' prefetch distance along the input row. BN -> ReLU -> 3x3/2
+# max-pool channels_last 16x64x112x112 (256-byte pixels), one core, the AMD host, against
+# the streaming kernel in the same run: the same rows one output row ahead 75%; 2 KiB
+# ahead in the row 78%, 3 KiB 92%, 4 KiB 91%, 5 KiB 88%, 6 KiB 85%, 8 KiB 81%.
+PREFETCH_NHWC_BYTES = 3072
 # The flat form's prefetch distance: concat -> 3x3/1 max-pool NCHW, 28x28 planes, one
 # core: none 79%, 1 KiB ahead 85%, 2 KiB 87%, 4 KiB 83%.
 PREFETCH_FLAT_BYTES = 2048
@@ -946,14 +951,17 @@ class SeparableWriter:
         return out
 
     def prefetches(self, v: VecExpr, cw: int) -> list[str]:
-        """Prefetches of the input rows that the row pass of the output row
-        ``PREFETCH_BYTES`` ahead reads first (the last ``stride`` window rows), at this
-        chunk's column: the hardware prefetcher follows short NCHW rows late."""
+        """Prefetches of the input rows that this output row reads first (the last
+        ``stride`` window rows). NCHW: those rows of the output row ``PREFETCH_BYTES``
+        ahead, at this chunk's column (the hardware prefetcher follows short NCHW rows
+        late). channels_last: the same rows of this output row, ``PREFETCH_NHWC_BYTES``
+        ahead along the row (a row of pixels is tens of KiB: a line prefetched a whole
+        output row ahead left L1 again before it was read)."""
         red = self.st.reduction
         assert red is not None
         rows = self.p.rows
         row_bytes = rows.stride * self.p.cols.size * cw * 4
-        ahead = max(1, -(-PREFETCH_BYTES // row_bytes))
+        ahead = 0 if self.nhwc else max(1, -(-PREFETCH_BYTES // row_bytes))
         out: list[str] = []
         for k in range(max(rows.k0, rows.k1 - rows.stride + 1), rows.k1 + 1):
             body = subst_body(
@@ -965,6 +973,10 @@ class SeparableWriter:
             for x in leaves(body):
                 if isinstance(x, Load) and x.value not in seen:
                     seen.add(x.value)
+                    if self.nhwc:
+                        pixel = v.buffer_of(x.value).strides[3] * 4
+                        cols = max(1, -(-PREFETCH_NHWC_BYTES // pixel))
+                        x = Load(x.value, (*x.index[:3], Op("add", (Var(XVAR), Int(cols)))))
                     out.append(prefetch(*v.load_offset(x), self.w.prefetch_hint))
         return out
 
