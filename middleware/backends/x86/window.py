@@ -91,8 +91,9 @@ PREFETCH_BYTES = 7168
 PREFETCH_HINT = "_MM_HINT_T1"
 # The channels_last forms' prefetch distance along the input row. BN -> ReLU -> 3x3/2
 # max-pool channels_last 16x64x112x112 (256-byte pixels), one core, the AMD host, against
-# the streaming kernel in the same run: the same rows one output row ahead 75%; 2 KiB
-# ahead in the row 78%, 3 KiB 92%, 4 KiB 91%, 5 KiB 88%, 6 KiB 85%, 8 KiB 81%.
+# the streaming kernel in the same run (output on 2 MiB pages): the same rows one output
+# row ahead 81%; in the rows being read 2 KiB ahead 83%, 3 KiB 92%, 4 KiB 90%, 5 KiB 87%,
+# 6 KiB 84%, 8 KiB 80%; no prefetch 72%.
 PREFETCH_NHWC_BYTES = 3072
 # The flat form's prefetch distance: concat -> 3x3/1 max-pool NCHW, 28x28 planes, one
 # core: none 79%, 1 KiB ahead 85%, 2 KiB 87%, 4 KiB 83%.
