@@ -36,6 +36,13 @@ def huge_pages_default() -> bool:
     return os.environ.get("MIDDLEWARE_HUGE_PAGES", "1") != "0"
 
 
+def native_runner_default() -> bool:
+    """``$MIDDLEWARE_NATIVE_RUNNER=0`` runs every CPU plan's steps from Python
+    (``Options.native_runner``); anything else, or unset, the native runner where it
+    applies."""
+    return os.environ.get("MIDDLEWARE_NATIVE_RUNNER", "1") != "0"
+
+
 def onednn_primitives_default() -> bool:
     """``$MIDDLEWARE_ONEDNN_PRIMITIVES=0`` makes ``torch.ops.mkldnn`` the default for CPU
     convolutions (``Options.onednn_primitives``); anything else, or unset, primitives."""
@@ -130,6 +137,12 @@ class Options:
     # not stop every 4 KiB; up to a third faster generated kernels). Same bytes, same
     # resident size. Default: $MIDDLEWARE_HUGE_PAGES (unset: on).
     huge_pages: bool = dataclasses.field(default_factory=huge_pages_default)
+    # On CPU, a plan whose every step is one C call (generated kernels, oneDNN primitives,
+    # the GEMV) and whose intermediates fit a 64 MiB arena runs as one C call after its
+    # first run (runtime/native.py: recorded, then checked bit for bit against the Python
+    # steps); report() says where it does not and why. Default: $MIDDLEWARE_NATIVE_RUNNER
+    # (unset: on).
+    native_runner: bool = dataclasses.field(default_factory=native_runner_default)
     # Pin the hardware figures instead of measuring (middleware/hardware.py): a Hardware, or
     # a dict of its fields (kept as sorted (field, value) pairs). Default: $MIDDLEWARE_HARDWARE.
     hardware: Any = dataclasses.field(default_factory=hardware_from_env)

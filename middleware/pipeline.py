@@ -337,6 +337,7 @@ def _plan(
         owned=owned,
         check_memory=options.check_memory,
         huge_pages=options.huge_pages,
+        native=options.cache_dir if options.native_runner else None,
     )
 
 

@@ -14,6 +14,7 @@ they live here, below the runtime, so that no backend imports a stage above it.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -48,6 +49,52 @@ class Unit:
     def __post_init__(self) -> None:
         if not isinstance(self.runs_as, RunsAs):
             object.__setattr__(self, "runs_as", RunsAs(self.runs_as))
+
+
+class _Scratch:
+    """The placeholder for a scratchpad argument of a :class:`NativeCall`."""
+
+    def __repr__(self) -> str:
+        return "SCRATCH"
+
+
+SCRATCH = _Scratch()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Workspace:
+    """A buffer of ``nbytes`` that one step's calls share (a source converted for the next
+    call): the native runner gives each its own memory, kept between calls."""
+
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeCall:
+    """A step's call as one C function and its arguments, for the runtime's native runner
+    (``runtime/native.py``: a whole plan as one C call, no Python between steps).
+
+    A destination form (``Unit.out_fn``) or an in-place form may offer
+    ``native(*tensors) -> NativeCall | list[NativeCall] | None``: the same computation the
+    form does on those very tensors (its inputs, then its outputs), as C calls in order,
+    or None where it cannot be (a layout the kernel does not read).
+    ``fn``: the function's address; every argument is passed as a 64-bit integer, at most
+    eight. ``args``: a tensor (its data pointer; the runtime maps it to an input, the
+    output or the arena, and refuses any other memory), an ``int`` (a constant the call's
+    owner keeps alive: a primitive's handle, a held weight's address), :data:`SCRATCH`
+    (a scratchpad of ``scratch_bytes`` the runtime provides, one call at a time) or a
+    :class:`Workspace` (memory of its own, shared by the calls that name it).
+    ``status``: the function returns an ``int``, nonzero on failure (else ``void``)."""
+
+    fn: int
+    args: tuple[Any, ...]
+    status: bool = False
+    scratch_bytes: int = 0
+
+
+def native_address(cfunc: Any) -> int:
+    """The address of a ctypes function."""
+    return int(ctypes.cast(cfunc, ctypes.c_void_p).value or 0)
 
 
 def holds_inputs(fn: Callable[..., Any], positions: Sequence[int]) -> Callable[..., Any]:

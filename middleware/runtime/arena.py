@@ -124,7 +124,11 @@ class BufferPlan:
 
 
 def plan_buffers(
-    graph: Graph, units: Sequence[Any], device: torch.device, owned: Sequence[str] = ()
+    graph: Graph,
+    units: Sequence[Any],
+    device: torch.device,
+    owned: Sequence[str] = (),
+    spill: bool = True,
 ) -> BufferPlan:
     """The buffer plan of ``units`` (``Unit`` records, in execution order); ``owned``: graph
     inputs handed over to the plan, which die at their last read."""
@@ -169,7 +173,9 @@ def plan_buffers(
         for v in pl.slice_of
         if pl.producer.get(v, -1) >= 0 and pl.forms[pl.producer[v]] is None
     }
-    _spill(where, intervals, sizes, n, copy_temps, ARENA_PEAK_SLACK)
+    if spill:  # (without: every arena-capable class stays in the arena, the native runner's
+        # condition: no intermediate allocated during a call)
+        _spill(where, intervals, sizes, n, copy_temps, ARENA_PEAK_SLACK)
     for root, vs in roots.items():
         for v in vs:
             if v in pl.slice_of:

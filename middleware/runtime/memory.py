@@ -65,6 +65,7 @@ def plan_memory(
     owned: Sequence[str] = (),
     check: bool | None = None,
     huge_pages: bool = False,
+    arena_max: int | None = None,
 ) -> PlannedUnits:
     """Plan the buffers of ``units`` (``runtime.plan.Unit`` records, in execution order).
 
@@ -74,6 +75,13 @@ def plan_memory(
     wraps every step with ``planned_steps._checked``, which raises :class:`MemoryCheckError` when an
     output lands in arena bytes its value was not planned in. ``huge_pages``: the arena,
     recycled outputs and spilled classes ask for 2 MiB pages (runtime/pages.py).
+    ``arena_max``: where the planner spilled classes to framework allocations (to lower
+    the peak), keep every class in the arena instead if the arena then stays within these
+    bytes (the native runner needs every intermediate at a fixed address).
     """
     plan = plan_buffers(graph, units, device, owned)
+    if arena_max is not None and any(w == "spilled" for w in plan.where.values()):
+        whole = plan_buffers(graph, units, device, owned, spill=False)
+        if whole.memory.arena_bytes <= arena_max:
+            plan = whole
     return build_steps(graph, units, device, plan, check, huge_pages)

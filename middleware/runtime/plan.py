@@ -23,6 +23,14 @@ from ..backends.interface import Unit, held_inputs, node_unit, to_tensor, users_
 from ..enums import RunsAs
 from ..graph import PARAM_SOURCES, Graph, map_tree
 from .memory import plan_memory as make_memory_plan
+from .native import NativeProgram, NativeRefused, same_values
+from .native import record as record_native
+
+# The largest arena the native runner asks for (every intermediate value in it, none
+# allocated during a call): a plan whose arena would be larger keeps the planner's
+# framework allocations and runs its steps from Python (a large network's steps are long
+# enough that the Python between them is a small share).
+NATIVE_ARENA_MAX = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +80,9 @@ class Plan:
         self._unplanned = self._program
         self.recycled: list[Any] = []  # planned_steps.Recycled of the graph outputs
         self._busy = threading.Lock()
+        # the native runner (runtime/native.py): None (off), the cache folder of its C loop
+        # while the next planned run is to record the program, then the NativeProgram
+        self._native: Any = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Plan:
         # A plan is immutable once built (loaded kernels, prepacked weights); copies of an
@@ -169,12 +180,67 @@ class Plan:
     def run(self, inputs: Sequence[torch.Tensor]) -> Any:
         if self.memory is None:
             return self._run(inputs, self._program)
+        native = self._native
+        if native is not None:
+            # one caller at a time (blocking): the native program bypasses the per-step
+            # locks the unplanned steps take around their primitives
+            with self._busy:
+                if isinstance(native, NativeProgram):
+                    if native.threads == torch.get_num_threads():
+                        return native(inputs)
+                    return self._run(inputs, self._program)
+                return self._record_native(inputs, native)
         if not self._busy.acquire(blocking=False):
             return self._run(inputs, self._unplanned)
         try:
             return self._run(inputs, self._program)
         finally:
             self._busy.release()
+
+    def use_native(self, cache_dir: Any) -> None:
+        """Record the planned steps as one C call at the next run (runtime/native.py), where
+        they allow it; ``report()`` notes the outcome."""
+        if self.memory is not None and self._single_out is not None and not self.consumes_inputs:
+            self._native = cache_dir
+        else:
+            self._note_native("the plan has no buffer plan or more than one output")
+
+    @property
+    def native(self) -> NativeProgram | None:
+        """The native program this plan runs, once recorded."""
+        return self._native if isinstance(self._native, NativeProgram) else None
+
+    def _record_native(self, inputs: Sequence[torch.Tensor], cache_dir: Any) -> Any:
+        self._native = None  # whatever happens, one attempt
+        names = [st.name for st in self.steps]
+        try:
+            prog, out = record_native(
+                self._program,
+                self._template,
+                self.input_slots,
+                self._single_out,
+                names,
+                inputs,
+                self.arena,
+                cache_dir,
+            )
+        except NativeRefused as e:
+            self._note_native(str(e))
+            return self._run(inputs, self._program)
+        # into memory of its own (not a second kept output buffer)
+        again = prog(inputs, torch.empty_like(out))
+        if not same_values(out, again):
+            self._note_native("its output differed from the Python steps' (not used)")
+            return out
+        self._native = prog
+        self.notes = (
+            *self.notes,
+            f"native runner: {prog.n} steps run as one C call (runtime/native.py)",
+        )
+        return out
+
+    def _note_native(self, why: str) -> None:
+        self.notes = (*self.notes, f"native runner: off ({why}); the steps run from Python")
 
     def _run(self, inputs: Sequence[torch.Tensor], program: list) -> Any:
         env = list(self._template)
@@ -208,6 +274,7 @@ def build_plan(
     owned: Sequence[str] = (),
     check_memory: bool | None = None,
     huge_pages: bool = False,
+    native: Any = None,
 ) -> Plan:
     """Assemble a plan from ``units`` in execution order; without them every node runs on
     its own through the framework. ``plan_memory``: run it through the buffer planner
@@ -216,7 +283,9 @@ def build_plan(
     their last read instead of living for the whole call. ``check_memory``: the planner's
     run-time overlap check (``Options.check_memory``; None: its environment default).
     ``huge_pages``: the planner's long-lived CPU buffers ask for 2 MiB pages
-    (``Options.huge_pages``, runtime/pages.py)."""
+    (``Options.huge_pages``, runtime/pages.py). ``native``: the cache folder of the native
+    runner's C loop, to run a CPU plan as one C call where it allows (runtime/native.py;
+    ``Options.native_runner``), or None."""
     slot_of: dict[str, int] = {}
 
     def slot(v: str) -> int:
@@ -283,10 +352,19 @@ def build_plan(
     plan.held_params = frozenset(held)
     if plan_memory:
         try:
+            native_cpu = native is not None and device.type == "cpu" and not owned
             planned = make_memory_plan(
-                graph, units, device, owned, check=check_memory, huge_pages=huge_pages
+                graph,
+                units,
+                device,
+                owned,
+                check=check_memory,
+                huge_pages=huge_pages,
+                arena_max=NATIVE_ARENA_MAX if native_cpu else None,
             )
             plan.use_memory_plan(planned)
+            if native_cpu:
+                plan.use_native(native)
         except Exception as e:  # noqa: BLE001 - a planner bug must not break optimize()
             warnings.warn(
                 f"middleware: the buffer planner failed ({type(e).__name__}: {e}); "

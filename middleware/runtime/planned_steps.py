@@ -300,7 +300,15 @@ def _step_fn(
     ``Recycled`` buffers are appended to ``recycled_pools``)."""
     form = pl.forms[i]
     if i in pl.inplace_fn:
-        return pl.inplace_fn[i]
+        into_residual = pl.inplace_fn[i]
+        native = getattr(into_residual, "native", None)
+
+        def accumulate(*ins):
+            return into_residual(*ins)
+
+        if native is not None:
+            accumulate.native_step = lambda ins, r: native(*ins)  # type: ignore[attr-defined]
+        return accumulate
     if i in pl.inplace_of:
         k, out_form = pl.inplace_of[i], form[0]
 
@@ -308,6 +316,7 @@ def _step_fn(
             out_form(*ins, ins[k])
             return ins[k]
 
+        _native_form(in_place, out_form, lambda ins, r: (*ins, ins[k]))
         return in_place
     if len(u.outputs) != 1:
         return u.fn
@@ -332,7 +341,29 @@ def _step_fn(
             return o
 
         into_recycled.__name__ = getattr(u.fn, "__name__", "into_recycled")
+        _native_form(into_recycled, out_form, lambda ins, r: (*ins, r))
+        into_recycled.output_source = recycled.take  # type: ignore[attr-defined]
         return into_recycled
+    if (
+        where[root] == "fresh"
+        and y == root
+        and form is not None
+        and not form[1]
+        and pl.kind.get(y) != "view"
+        and i not in pl.copies  # (wrapped by _fresh_result instead)
+        and getattr(form[0], "native", None) is not None
+    ):
+        # a graph output the unit allocates itself (too small to recycle): the native
+        # runner allocates it and calls the destination form
+        fresh_fn, t, device = u.fn, pl.graph.values[y], pl.device
+
+        def fresh_output(*ins):
+            return fresh_fn(*ins)
+
+        fresh_output.__name__ = getattr(u.fn, "__name__", "fresh_output")
+        _native_form(fresh_output, form[0], lambda ins, r: (*ins, r))
+        fresh_output.output_source = lambda: empty_of(t, device)  # type: ignore[attr-defined]
+        return fresh_output
     if where[root] not in ("arena", "spilled") or pl.kind.get(y) == "view":
         return u.fn
     if y != root and y not in pl.slice_of:
@@ -366,6 +397,7 @@ def _step_fn(
             def free_concat(*ins):
                 return static
 
+            free_concat.native_step = lambda ins, r: NATIVE_NOTHING  # type: ignore[attr-defined]
             return free_concat
 
         def free_concat_dyn(*ins):
@@ -403,6 +435,7 @@ def _step_fn(
                 out_form(*ins, *extra)
                 return static
 
+            _native_form(into, out_form, lambda ins, r: (*ins, *extra))
             return into
         device = pl.device
 
@@ -432,6 +465,25 @@ def _step_fn(
         return o
 
     return copy_into_dyn
+
+
+# A planned step that does nothing at run time (a concat whose inputs were written into
+# their slices): the native runner skips it.
+NATIVE_NOTHING = "nothing"
+
+
+def _native_form(
+    step: Callable[..., Any],
+    out_form: Callable[..., Any],
+    operands: Callable[[tuple[Any, ...], Any], tuple[Any, ...]],
+) -> None:
+    """Offer ``step`` to the native runner (runtime/native.py) where its destination form
+    can be one C call: ``step.native_step(ins, result)`` gives the form's
+    ``interface.NativeCall`` on ``operands(ins, result)`` (the tensors the form reads and
+    writes when the step runs on ``ins`` and returns ``result``)."""
+    native = getattr(out_form, "native", None)
+    if native is not None:
+        step.native_step = lambda ins, r: native(*operands(ins, r))  # type: ignore[attr-defined]
 
 
 def _fresh_result(fn: Callable[..., Any]) -> Callable[..., Any]:

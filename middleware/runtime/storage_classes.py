@@ -186,7 +186,9 @@ class StorageClasses:
             return False
         if self.forms[j] is not None and self.single[j] is None:  # a generated kernel
             return _slice_contiguous(self.graph.values[dest], dim)
-        if self.forms[j] is not None and _dense_only(self.single[j]):
+        if self.forms[j] is not None and (
+            _dense_only(self.single[j]) or getattr(self.forms[j][0], "dense_only", False)
+        ):
             return _slice_contiguous(self.graph.values[dest], dim)
         return True
 
@@ -312,8 +314,11 @@ def _out_form(graph: Graph, u: Any, nd: Node | None) -> OutForm | None:
     spec = None if nd is None else get_op(nd.op).out
     if spec is not None and len(nd.outputs) == 1:
         return spec.make(nd, graph)
-    if getattr(u, "out_fn", None) is not None and u.runs_as == RunsAs.GENERATED:
-        return u.out_fn, ()
+    out_fn = getattr(u, "out_fn", None)
+    if out_fn is not None and u.runs_as == RunsAs.GENERATED:
+        return out_fn, ()
+    if out_fn is not None and u.runs_as == RunsAs.VENDOR and len(u.outputs) == 1:
+        return out_fn, ()  # a vendor call's own (the direct oneDNN convolution's)
     return None
 
 

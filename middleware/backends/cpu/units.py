@@ -290,7 +290,10 @@ def cpu_units(
             runs_as, reason = RunsAs.FALLBACK, failed[n.name]
         elif runs_as == RunsAs.VENDOR and not reason:
             reason = left_out.get(n.name, "")
+        # a vendor call's destination form (the direct oneDNN convolution's): the planner
+        # places its output in the arena instead of a fresh allocation per call
+        out_fn = getattr(fn, "out", None) if runs_as == RunsAs.VENDOR else None
         units.append(
-            Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason, algorithm=algorithm)
+            Unit(n.name, runs_as, fn, n.inputs, n.outputs, (n.name,), reason, out_fn, algorithm)
         )
     return units

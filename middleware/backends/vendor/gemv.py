@@ -22,6 +22,7 @@ import torch
 from ...graph import Graph, Node
 from ...hardware import Hardware
 from ...options import Options
+from ..interface import NativeCall, native_address
 from ..x86.render import environment
 from .calls import activation_attrs, holds_constants
 from .generated import activation_c, activation_why_not, load_kernel
@@ -98,11 +99,31 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
     wp, bp = weight.data_ptr(), bias.data_ptr() if bias is not None else None
     out_f = weight.shape[0]
 
-    def linear_gemv(x, _w, *_rest):
+    def linear_gemv_out(x, *rest):
+        """Destination form: ``rest`` ends with the dense output."""
+        y = rest[-1]
+        if not y.is_contiguous() or tuple(y.shape) != (*x.shape[:-1], out_f):
+            raise ValueError(f"{node.name}: the GEMV writes a dense output")
         x = x.contiguous()
-        y = torch.empty((*x.shape[:-1], out_f), dtype=torch.float32)
         fn(x.data_ptr(), wp, bp, y.data_ptr(), x.numel() // x.shape[-1])
+
+    def linear_gemv_native(x, *rest):
+        y = rest[-1]
+        if not (x.is_contiguous() and y.is_contiguous()):
+            return None
+        if tuple(y.shape) != (*x.shape[:-1], out_f):
+            return None
+        return NativeCall(address, (x, wp, bp or 0, y, x.numel() // x.shape[-1]))
+
+    def linear_gemv(x, _w, *_rest):
+        y = torch.empty((*x.shape[:-1], out_f), dtype=torch.float32)
+        linear_gemv_out(x, y)
         return y
+
+    address = native_address(fn)
+    linear_gemv_out.native = linear_gemv_native  # type: ignore[attr-defined]
+    linear_gemv_out.dense_only = True  # type: ignore[attr-defined]
+    linear_gemv.out = linear_gemv_out  # type: ignore[attr-defined]
 
     linear_gemv.algorithm = "gemv"  # type: ignore[attr-defined]
     linear_gemv.keep = (weight, bias)  # type: ignore[attr-defined]

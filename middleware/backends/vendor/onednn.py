@@ -41,9 +41,11 @@ import torch
 from ...errors import CompileError
 from ...graph import Graph, Node
 from ...options import Options
+from ..interface import SCRATCH, NativeCall, Workspace, native_address
 from ..x86.build import load_shared
 from ..x86.compile import build_c
 from ..x86.render import environment
+from ..x86.runner import to_channels_last_address
 
 Kernel = Callable[..., Any]
 
@@ -397,6 +399,7 @@ def direct_conv(
             return None
     prims.weight = None
     run = lib.run
+    run_address = native_address(run)
 
     def source(kind: int, x: torch.Tensor) -> tuple[int, torch.Tensor]:
         """The primitive for ``x`` as it is laid out, or the dense one and ``x`` made dense
@@ -408,29 +411,85 @@ def direct_conv(
                 return handle, x
         return prims.dense(kind, x_strides), x.contiguous(memory_format=fmt)
 
+    def converted_native(x: torch.Tensor, handle: int, y: torch.Tensor) -> Any:
+        """The stem's NCHW image into a channels_last convolution: the conversion
+        ``source`` makes, then the call, or None for another conversion."""
+        if not (convert and dst_nhwc and x.is_contiguous() and x.dtype == torch.float32):
+            return None
+        ws = Workspace(x.numel() * 4)
+        nb, cb, hb, wb = x.shape
+        to_nhwc = to_channels_last_address(options.cache_dir)
+        return [
+            NativeCall(to_nhwc, (x, ws, nb, cb, hb * wb)),
+            NativeCall(run_address, (handle, ws, y, 0, SCRATCH), True, prims.scratch_bytes),
+        ]
+
+    def dense_out(y: torch.Tensor) -> None:
+        if y.stride() != out_strides or y.shape != shape:
+            raise ValueError(
+                f"{node.name}: the oneDNN convolution writes a dense {shape} output "
+                f"(strides {out_strides}), got {tuple(y.shape)} strided {y.stride()}"
+            )
+
     if not residual:
 
-        def conv_onednn(x, *_rest):
-            y = torch.empty(shape, dtype=torch.float32, device="cpu", memory_format=fmt)
+        def conv_onednn_out(x, *rest):
+            """Destination form: ``rest`` ends with the dense output to write."""
+            y = rest[-1]
+            dense_out(y)
             with prims.busy:  # the step's memory objects and scratchpad: one call at a time
                 handle, x = source(0, x)
                 if run(handle, x.data_ptr(), y.data_ptr(), None, scratch(prims.scratch_bytes)):
                     raise RuntimeError(f"{node.name}: the oneDNN convolution failed")
+
+        def conv_onednn_native(x, *rest):
+            y = rest[-1]
+            if y.stride() != out_strides or y.shape != shape:
+                return None
+            handle, src = source(0, x)
+            if src is x:
+                return NativeCall(
+                    run_address, (handle, x, y, 0, SCRATCH), True, prims.scratch_bytes
+                )
+            return converted_native(x, handle, y)
+
+        conv_onednn_out.native = conv_onednn_native  # type: ignore[attr-defined]
+
+        def conv_onednn(x, *rest):
+            y = torch.empty(shape, dtype=torch.float32, device="cpu", memory_format=fmt)
+            conv_onednn_out(x, *rest, y)
             return y
 
         fn = conv_onednn
+        fn.out = conv_onednn_out  # type: ignore[attr-defined]
     else:
 
-        def conv_add_onednn(x, *rest):
-            r = rest[-1]
+        def conv_add_onednn_out(x, *rest):
+            """Destination form: ``rest`` ends with the residual, then the dense output."""
+            r, y = rest[-2], rest[-1]
+            dense_out(y)
             r = r if r.stride() == out_strides else r.contiguous(memory_format=fmt)
-            y = torch.empty(shape, dtype=torch.float32, device="cpu", memory_format=fmt)
             with prims.busy:
                 handle, x = source(1, x)
                 if run(
                     handle, x.data_ptr(), y.data_ptr(), r.data_ptr(), scratch(prims.scratch_bytes)
                 ):
                     raise RuntimeError(f"{node.name}: the oneDNN convolution failed")
+
+        def conv_add_onednn_native(x, *rest):
+            r, y = rest[-2], rest[-1]
+            if y.stride() != out_strides or y.shape != shape or r.stride() != out_strides:
+                return None
+            handle, src = source(1, x)
+            if src is not x:
+                return None
+            return NativeCall(run_address, (handle, x, y, r, SCRATCH), True, prims.scratch_bytes)
+
+        conv_add_onednn_out.native = conv_add_onednn_native  # type: ignore[attr-defined]
+
+        def conv_add_onednn(x, *rest):
+            y = torch.empty(shape, dtype=torch.float32, device="cpu", memory_format=fmt)
+            conv_add_onednn_out(x, *rest, y)
             return y
 
         def conv_add_into_residual_onednn(x, *rest):
@@ -444,8 +503,21 @@ def direct_conv(
                     raise RuntimeError(f"{node.name}: the oneDNN convolution failed")
             return r
 
+        def into_residual_native(x, *rest):
+            r = rest[-1]
+            if r.stride() != out_strides:
+                return None
+            handle, src = source(2, x)
+            if src is not x:
+                return None
+            return NativeCall(run_address, (handle, x, r, 0, SCRATCH), True, prims.scratch_bytes)
+
+        conv_add_into_residual_onednn.native = into_residual_native  # type: ignore[attr-defined]
         fn = conv_add_onednn
         fn.into_residual = conv_add_into_residual_onednn  # type: ignore[attr-defined]
+        fn.out = conv_add_onednn_out  # type: ignore[attr-defined]
+    # the destination form writes dense outputs only: never a channel slice of a concat
+    fn.out.dense_only = True  # type: ignore[attr-defined]
     fn.keep = prims.tensors  # type: ignore[attr-defined]
     fn.primitives = prims  # type: ignore[attr-defined]
     # not at interpreter exit: a daemon thread may still be inside a call then

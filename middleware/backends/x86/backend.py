@@ -23,6 +23,7 @@ from ...hardware import Hardware
 from ...loops import Call, NotFusable
 from ...options import Options
 from ...passes.schedule import Schedule, schedule_group
+from ..interface import NativeCall, native_address
 from . import index, window
 from .cfuncs import UNSUPPORTED_ISPC
 from .compile import Built, build_c, build_ispc
@@ -94,6 +95,20 @@ def _callables(
         if not out.is_contiguous(memory_format=out_format):
             raise ValueError(f"{name}: output tensor is not in {out_layout} order")
         cfunc(*[x.data_ptr() for x in xs], out.data_ptr())
+
+    address = native_address(cfunc)
+
+    def native(*args: torch.Tensor) -> NativeCall | None:
+        """out_fn as one C call on these very tensors (None where an input would be
+        made contiguous first, or the output is not in the kernel's order)."""
+        if len(args) != nin + 1 or nin + 1 > 8:
+            return None
+        formats = (*in_formats, out_format)
+        if not all(t.is_contiguous(memory_format=f) for t, f in zip(args, formats, strict=True)):
+            return None
+        return NativeCall(address, tuple(args))
+
+    out_fn.native = native  # type: ignore[attr-defined]
 
     def fn(*xs: torch.Tensor) -> torch.Tensor:
         if len(xs) != nin:

@@ -1,0 +1,75 @@
+"""The native runner: a sequence of C calls run by one C loop (runtime/native.py).
+
+A plan whose every step is one C call (a generated kernel, a oneDNN primitive, a GEMV)
+and whose every intermediate value lives at a fixed address (the arena) runs as one call
+of :func:`load_runner`'s ``mw_run``: the Python between steps (the plan loop, each step's
+wrapper, its ctypes call) was a third of a small network's time at batch 1.
+
+Each step is a function address, whether it returns a status, and up to eight 64-bit
+arguments, each the base address of a slot (the call's inputs and outputs, filled per
+call) plus an offset, or a constant (slot -1: the offset is the value).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from .build import load_shared
+from .compile import build_c
+
+MAX_ARGS = 8
+
+RUNNER_C = r"""
+#include <stdint.h>
+typedef intptr_t P;
+typedef struct { P fn; int32_t status, nargs; int32_t slot[8]; P off[8]; } mw_step;
+typedef P (*mw_fn)(P, P, P, P, P, P, P, P);
+/* Run the steps in order; 0, or 1 + the index of the first step that reported failure. */
+int mw_run(const mw_step *s, int n, const P *slots) {
+  for (int i = 0; i < n; ++i, ++s) {
+    P a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < s->nargs; ++j)
+      a[j] = (s->slot[j] < 0 ? 0 : slots[s->slot[j]]) + s->off[j];
+    /* every argument an integer or a pointer: the x86-64 calling conventions pass each
+       in the same register (or stack slot) whatever the callee's prototype says */
+    const P r = ((mw_fn)s->fn)(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+    if (s->status && (int)r != 0) return i + 1;
+  }
+  return 0;
+}
+/* dst (N, H*W, C) = src (N, C, H*W): an NCHW image into a channels_last network */
+void mw_to_channels_last(const float *src, float *dst, long n, long c, long hw) {
+  for (long b = 0; b < n; ++b)
+    for (long p = 0; p < hw; ++p)
+      for (long k = 0; k < c; ++k)
+        dst[(b * hw + p) * c + k] = src[(b * c + k) * hw + p];
+}
+"""
+
+
+class Step(ctypes.Structure):
+    _fields_ = [
+        ("fn", ctypes.c_ssize_t),
+        ("status", ctypes.c_int32),
+        ("nargs", ctypes.c_int32),
+        ("slot", ctypes.c_int32 * MAX_ARGS),
+        ("off", ctypes.c_ssize_t * MAX_ARGS),
+    ]
+
+
+def _library(cache_dir: Path) -> ctypes.CDLL:
+    return load_shared(build_c("mw_native_runner", RUNNER_C, Path(cache_dir)).binary)
+
+
+def load_runner(cache_dir: Path) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """``mw_run(steps, n, slots) -> int``, compiled once through the kernel cache."""
+    fn = _library(cache_dir).mw_run
+    fn.argtypes = [ctypes.POINTER(Step), ctypes.c_int, ctypes.POINTER(ctypes.c_ssize_t)]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def to_channels_last_address(cache_dir: Path) -> int:
+    """The address of ``mw_to_channels_last(src, dst, n, c, h*w)`` (float32, void)."""
+    return int(ctypes.cast(_library(cache_dir).mw_to_channels_last, ctypes.c_void_p).value or 0)

@@ -1,0 +1,188 @@
+"""A whole CPU plan as one C call: the native runner.
+
+A planned step is a Python closure around one C call (a generated kernel, a oneDNN
+primitive, a GEMV), with the plan loop, the closure, the form's checks and ctypes' argument
+conversion around it: 3-5 us a step, a third of mobilenet_v3_small's time at batch 1
+(46 oneDNN convolutions took 509 us through their Python steps, 339 us as bare calls).
+
+Where every step of a plan offers its call (``native_step``, from the destination forms'
+``interface.NativeCall``) and every intermediate value lives in the arena, the plan is
+recorded once: a run of its Python steps that notes each step's C function and arguments.
+An argument must be a constant (a primitive's handle, a held weight's address), the
+scratchpad, or memory of the call's inputs, of its output or of the arena; anything else
+(a framework allocation made during the call) refuses the native runner. The recording
+is then checked: the native program runs once on the same inputs and must give the
+recorded output bit for bit, else it is refused too. Later calls fill the slot table
+(each input's and the output's address) and run ``mw_run`` (backends/x86/runner.py).
+
+Each refusal has a reason (``Plan.notes`` and ``report()``); the Python steps then run as
+before. A program is tied to the thread count it was recorded at (oneDNN sizes a
+primitive's scratchpad and splits its work for it): another count runs the Python steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..backends.interface import SCRATCH, Workspace
+from ..backends.x86.runner import MAX_ARGS, Step, load_runner
+from .planned_steps import NATIVE_NOTHING
+
+
+class NativeRefused(Exception):
+    """Why a plan cannot run as one C call."""
+
+
+@dataclasses.dataclass
+class NativeProgram:
+    """The recorded C calls of one plan and what a call needs to run them."""
+
+    steps: Any  # ctypes array of Step
+    n: int
+    n_inputs: int
+    output_source: Callable[[], torch.Tensor]
+    run: Any  # mw_run
+    threads: int
+    buffers: list[torch.Tensor | None]  # the scratchpad and the workspaces it passes
+    names: list[str]
+
+    def __call__(
+        self, inputs: Sequence[torch.Tensor], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The output for ``inputs`` (written into ``out`` where given: a tensor like the
+        recorded output)."""
+        if out is None:
+            out = self.output_source()
+        slots = (ctypes.c_ssize_t * (self.n_inputs + 1))(
+            *[x.data_ptr() for x in inputs], out.data_ptr()
+        )
+        rc = self.run(self.steps, self.n, slots)
+        if rc:
+            raise RuntimeError(f"native runner: step {self.names[rc - 1]} reported a failure")
+        return out
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a dense tensor covers, from its data pointer (what a call's slot holds)."""
+    p = t.data_ptr()
+    return p, p + t.numel() * t.element_size()
+
+
+def _region(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.data_ptr() + st.nbytes()
+
+
+def record(
+    program: list,
+    template: list,
+    input_slots: Sequence[int],
+    out_slot: int,
+    names: Sequence[str],
+    inputs: Sequence[torch.Tensor],
+    arena: torch.Tensor | None,
+    cache_dir: Path,
+) -> tuple[NativeProgram, torch.Tensor]:
+    """Run ``program`` (the plan's planned steps) once on ``inputs``, noting each step's C
+    call; returns the native program and the recorded run's output. Raises
+    :class:`NativeRefused` with the reason where the plan cannot run natively."""
+    fns = [p[0] for p in program]
+    missing = [nm for nm, fn in zip(names, fns, strict=True) if not hasattr(fn, "native_step")]
+    if missing:
+        raise NativeRefused(f"step {missing[0]} is not one C call")
+    env = list(template)
+    for s, x in zip(input_slots, inputs, strict=True):
+        env[s] = x
+    calls: list[tuple[str, Any, Any]] = []  # (name, NativeCall or NATIVE_NOTHING, result)
+    source = None
+    for (fn, ins, outs, multi, frees), name in zip(program, names, strict=True):
+        if multi:
+            raise NativeRefused(f"step {name} has several outputs")
+        args = [env[i] for i in ins]
+        r = fn(*args)
+        call = fn.native_step(tuple(args), r)
+        if call is None:
+            raise NativeRefused(f"step {name} cannot be one C call on its operands")
+        calls.append((name, call, r))
+        if outs[0] == out_slot:
+            source = getattr(fn, "output_source", None)
+        env[outs[0]] = r
+        for f in frees:
+            env[f] = None
+    out = env[out_slot]
+    if source is None or not isinstance(out, torch.Tensor):
+        raise NativeRefused("the output is not written by a step into memory it allocates")
+    dynamic = [_span(x) for x in inputs] + [_span(out)]
+    # memory that lives as long as the plan: the arena and the plan's constants
+    fixed = [_region(t) for t in [arena, *template] if isinstance(t, torch.Tensor)]
+    records = [
+        (name, c)
+        for name, call, _ in calls
+        if call is not NATIVE_NOTHING
+        for c in (call if isinstance(call, list) else [call])
+    ]
+    scratch_bytes = max((c.scratch_bytes for _, c in records), default=0)
+    scratch = torch.empty(scratch_bytes, dtype=torch.uint8) if scratch_bytes else None
+    spaces: dict[Workspace, torch.Tensor] = {}
+    steps = (Step * max(len(records), 1))()
+    for k, (name, call) in enumerate(records):
+        if len(call.args) > MAX_ARGS:
+            raise NativeRefused(f"step {name} takes more than {MAX_ARGS} arguments")
+        st = steps[k]
+        st.fn, st.status, st.nargs = call.fn, int(call.status), len(call.args)
+        for j, a in enumerate(call.args):
+            if isinstance(a, Workspace):
+                if a not in spaces:
+                    spaces[a] = torch.empty(max(a.nbytes, 64), dtype=torch.uint8)
+                a = spaces[a].data_ptr()
+            st.slot[j], st.off[j] = _argument(name, a, dynamic, fixed, scratch)
+    prog = NativeProgram(
+        steps,
+        len(records),
+        len(inputs),
+        source,
+        load_runner(cache_dir),
+        torch.get_num_threads(),
+        [scratch, *spaces.values()],
+        [name for name, _ in records],
+    )
+    return prog, out
+
+
+def _argument(
+    name: str,
+    a: Any,
+    dynamic: list[tuple[int, int]],
+    fixed: list[tuple[int, int]],
+    scratch: torch.Tensor | None,
+) -> tuple[int, int]:
+    """(slot, offset) of one argument: slot -1 for a constant (the offset its value)."""
+    if a is SCRATCH:
+        assert scratch is not None
+        return -1, scratch.data_ptr()
+    if isinstance(a, bool) or not isinstance(a, (int, torch.Tensor)):
+        raise NativeRefused(f"step {name}: an argument of type {type(a).__name__}")
+    if isinstance(a, int):
+        return -1, a
+    p = a.data_ptr()
+    for slot, (lo, hi) in enumerate(dynamic):
+        if lo <= p < hi:
+            return slot, p - lo
+    if any(lo <= p < hi for lo, hi in fixed):
+        return -1, p
+    raise NativeRefused(
+        f"step {name} reads or writes memory allocated during the call (not the arena's)"
+    )
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit the same values (NaN where the other has NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())

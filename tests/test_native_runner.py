@@ -1,0 +1,204 @@
+"""The native runner (``runtime/native.py``): a CPU plan recorded once, then run as one C call.
+
+Its outputs equal the Python steps' bit for bit and PyTorch's within tolerance, on random
+small networks; it never writes into an output the caller holds; another thread count,
+another thread, a step it cannot run and a failing step all keep the answers right.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import middleware
+from middleware.backends.interface import NativeCall
+from middleware.runtime.native import NativeProgram
+
+
+def _reinit(m: nn.Module, seed: int) -> nn.Module:
+    """Weights that keep the activations' variance (random networks otherwise fade to
+    outputs near zero), batch-norm statistics away from the identity."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, (nn.Conv2d, nn.Linear)):
+                fan_in = mod.weight[0].numel()
+                mod.weight.copy_(torch.randn(mod.weight.shape, generator=g) * (2 / fan_in) ** 0.5)
+                if mod.bias is not None:
+                    mod.bias.copy_(torch.randn(mod.bias.shape, generator=g) * 0.1)
+            elif isinstance(mod, nn.BatchNorm2d):
+                mod.running_mean.copy_(torch.randn(mod.num_features, generator=g) * 0.1)
+                mod.running_var.copy_(torch.rand(mod.num_features, generator=g) + 0.5)
+                mod.weight.copy_(torch.rand(mod.num_features, generator=g) + 0.5)
+                mod.bias.copy_(torch.randn(mod.num_features, generator=g) * 0.1)
+    return m.eval()
+
+
+class Block(nn.Module):
+    """conv-bn-relu, optionally depthwise, optionally with a residual add."""
+
+    def __init__(self, c: int, depthwise: bool, residual: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1, groups=c if depthwise else 1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.residual = residual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn(self.conv(x)))
+        return y + x if self.residual else y
+
+
+class Net(nn.Module):
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__()
+        c = rng.choice([8, 16, 24])
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, stride=2, padding=1), nn.BatchNorm2d(c))
+        self.pool = rng.choice([nn.MaxPool2d(3, 2, 1), nn.AvgPool2d(2), nn.Identity()])
+        self.blocks = nn.Sequential(
+            *[Block(c, rng.random() < 0.4, rng.random() < 0.5) for _ in range(rng.randint(1, 4))]
+        )
+        self.head = nn.Linear(c, rng.choice([10, 37]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.blocks(self.pool(torch.relu(self.stem(x))))
+        return self.head(y.mean((2, 3)))
+
+
+def _native_note(om: middleware.OptimizedModule) -> str:
+    return " ".join(n for n in om.plan.notes if n.startswith("native runner"))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_networks_equal_the_python_steps_and_pytorch(seed: int) -> None:
+    rng = random.Random(seed)
+    m = _reinit(Net(rng), seed)
+    batch = 1 if seed % 3 else 2  # the linear head of two rows is a framework call
+    x = torch.randn(batch, 3, rng.choice([16, 24, 33]), 20)
+    on = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    off = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, native_runner=False)
+    with torch.no_grad():
+        ref = m(x)
+        first = on(x)  # recorded here
+        if batch == 1:
+            assert on.plan.native is not None, _native_note(on)
+            assert "steps run as one C call" in _native_note(on)
+        else:
+            assert "native runner: off (step head is not one C call)" in _native_note(on)
+        for _ in range(2):
+            got = on(x)
+            assert torch.equal(got, off(x))  # the same kernels on the same data
+            assert torch.equal(got, first)
+        scale = ref.abs().max()
+        assert float((got - ref).abs().max() / scale) < 1e-4
+    assert off.plan.native is None and not _native_note(off)
+
+
+def _mobile() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return _reinit(Net(random.Random(3)), 3), torch.randn(1, 3, 32, 32)
+
+
+def test_held_outputs_are_not_overwritten() -> None:
+    m, x = _mobile()
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    with torch.no_grad():
+        held = [om(x) for _ in range(2)]
+        kept = [h.clone() for h in held]
+        x2 = torch.randn_like(x)
+        other = om(x2)
+        assert om.plan.native is not None
+        for h, k in zip(held, kept, strict=True):
+            assert torch.equal(h, k)
+        assert torch.allclose(other, m(x2), rtol=1e-4, atol=1e-4 * float(other.abs().max()))
+
+
+def test_another_thread_count_runs_the_python_steps() -> None:
+    m, x = _mobile()
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    threads = torch.get_num_threads()
+    with torch.no_grad():
+        ref = om(x)
+        assert om.plan.native is not None
+        torch.set_num_threads(1 if threads > 1 else 2)
+        try:
+            got = om(x)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        assert torch.equal(om(x), ref)
+
+
+def test_calls_from_two_threads() -> None:
+    m, x = _mobile()
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    xs = [torch.randn_like(x) for _ in range(4)]
+    with torch.no_grad():
+        om(x)
+        refs = [m(v) for v in xs]
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        with torch.no_grad():
+            for r in range(20):
+                i = (k + r) % len(xs)
+                y = om(xs[i])
+                if not torch.allclose(
+                    y, refs[i], rtol=1e-4, atol=1e-4 * float(refs[i].abs().max())
+                ):
+                    errors.append(f"thread {k} call {r}")
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert om.plan.native is not None
+    assert not errors, errors
+
+
+class WithFallback(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.flip(torch.relu(self.conv(x)), dims=(3,)) * 2.0
+
+
+def test_a_step_that_is_not_one_c_call_keeps_the_python_steps() -> None:
+    m = _reinit(WithFallback(), 1)
+    x = torch.randn(1, 3, 12, 12)
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    with torch.no_grad():
+        for _ in range(2):
+            got = om(x)
+        ref = m(x)
+    assert om.plan.native is None
+    assert "native runner: off" in _native_note(om)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_a_failing_step_is_an_error_not_a_wrong_answer() -> None:
+    """A native step that reports failure raises; the module answers with the original."""
+    m, x = _mobile()
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    with torch.no_grad():
+        om(x)
+        prog = om.plan.native
+        assert isinstance(prog, NativeProgram)
+        libc = ctypes.CDLL(None)
+        st = prog.steps[0]
+        # abs(7) = 7: a status function that reports failure
+        st.fn = NativeCall(ctypes.cast(libc.abs, ctypes.c_void_p).value, (7,), True).fn
+        st.status, st.nargs, st.slot[0], st.off[0] = 1, 1, -1, 7
+        with pytest.raises(RuntimeError, match="native runner"):
+            prog([x])
+        with pytest.warns(UserWarning, match="the plan failed while running"):
+            got = om(x)
+        ref = m(x)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
