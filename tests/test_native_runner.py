@@ -202,3 +202,30 @@ def test_a_failing_step_is_an_error_not_a_wrong_answer() -> None:
             got = om(x)
         ref = m(x)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+class Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.fc = nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.adaptive_avg_pool2d(torch.relu(self.conv(x)), 4)
+        return self.fc(torch.flatten(y, 1))
+
+
+def test_views_run_as_nothing() -> None:
+    """A flatten between the layers is a view of the arena: no call, the same answer."""
+    m = _reinit(Flat(), 2)
+    x = torch.randn(1, 3, 16, 16)
+    on = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    off = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, native_runner=False)
+    with torch.no_grad():
+        on(x)
+        got = on(x)
+        assert on.plan.native is not None, _native_note(on)
+        assert len(set(on.plan.native.names)) < len(on.plan.steps)  # the view made no call
+        assert torch.equal(got, off(x))
+        ref = m(x)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5

@@ -364,6 +364,16 @@ def _step_fn(
         _native_form(fresh_output, form[0], lambda ins, r: (*ins, r))
         fresh_output.output_source = lambda: empty_of(t, device)  # type: ignore[attr-defined]
         return fresh_output
+    if pl.kind.get(y) == "view" and i not in pl.copies and len(u.inputs) >= 1:
+        # a view of its input: nothing to run natively where the result does alias it
+        view_fn = u.fn
+
+        def view(*ins):
+            return view_fn(*ins)
+
+        view.__name__ = getattr(u.fn, "__name__", "view")
+        view.native_step = _view_nothing  # type: ignore[attr-defined]
+        return view
     if where[root] not in ("arena", "spilled") or pl.kind.get(y) == "view":
         return u.fn
     if y != root and y not in pl.slice_of:
@@ -484,6 +494,17 @@ def _native_form(
     native = getattr(out_form, "native", None)
     if native is not None:
         step.native_step = lambda ins, r: native(*operands(ins, r))  # type: ignore[attr-defined]
+
+
+def _view_nothing(ins: tuple[Any, ...], r: Any) -> str | None:
+    """A view step's native call: nothing, where its result lies inside its first input's
+    storage (the later steps then read the same bytes at the recorded addresses)."""
+    x = ins[0] if ins else None
+    if not isinstance(r, torch.Tensor) or not isinstance(x, torch.Tensor) or r.numel() == 0:
+        return None
+    if r.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+        return None
+    return NATIVE_NOTHING
 
 
 def _fresh_result(fn: Callable[..., Any]) -> Callable[..., Any]:
