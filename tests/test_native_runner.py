@@ -229,3 +229,30 @@ def test_views_run_as_nothing() -> None:
         assert torch.equal(got, off(x))
         ref = m(x)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+class ManyInputs(nn.Module):
+    """A generated step that reads eleven values (densenet's concatenations read up to
+    thirty-two): more arguments than the six x86-64 passes in registers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(3, 4, 1) for _ in range(11))
+        self.bn = nn.BatchNorm2d(44)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(torch.cat([c(x) for c in self.convs], 1)))
+
+
+def test_a_step_with_many_arguments() -> None:
+    m = _reinit(ManyInputs(), 4)
+    x = torch.randn(1, 3, 10, 12)
+    on = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    off = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, native_runner=False)
+    with torch.no_grad():
+        on(x)
+        got = on(x)
+        assert on.plan.native is not None, _native_note(on)
+        assert torch.equal(got, off(x))
+        ref = m(x)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5

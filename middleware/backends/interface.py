@@ -79,7 +79,7 @@ class NativeCall:
     form does on those very tensors (its inputs, then its outputs), as C calls in order,
     or None where it cannot be (a layout the kernel does not read).
     ``fn``: the function's address; every argument is passed as a 64-bit integer, at most
-    eight. ``args``: a tensor (its data pointer; the runtime maps it to an input, the
+    48 (``backends/x86/runner.MAX_ARGS``). ``args``: a tensor (its data pointer; the runtime maps it to an input, the
     output or the arena, and refuses any other memory), an ``int`` (a constant the call's
     owner keeps alive: a primitive's handle, a held weight's address), :data:`SCRATCH`
     (a scratchpad of ``scratch_bytes`` the runtime provides, one call at a time) or a

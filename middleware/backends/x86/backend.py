@@ -28,6 +28,7 @@ from . import index, window
 from .cfuncs import UNSUPPORTED_ISPC
 from .compile import Built, build_c, build_ispc
 from .render import render_c, render_ispc
+from .runner import MAX_ARGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,7 @@ def _callables(
     def native(*args: torch.Tensor) -> NativeCall | None:
         """out_fn as one C call on these very tensors (None where an input would be
         made contiguous first, or the output is not in the kernel's order)."""
-        if len(args) != nin + 1 or nin + 1 > 8:
+        if len(args) != nin + 1 or nin + 1 > MAX_ARGS:
             return None
         formats = (*in_formats, out_format)
         if not all(t.is_contiguous(memory_format=f) for t, f in zip(args, formats, strict=True)):

@@ -5,7 +5,7 @@ and whose every intermediate value lives at a fixed address (the arena) runs as 
 of :func:`load_runner`'s ``mw_run``: the Python between steps (the plan loop, each step's
 wrapper, its ctypes call) was a third of a small network's time at batch 1.
 
-Each step is a function address, whether it returns a status, and up to eight 64-bit
+Each step is a function address, whether it returns a status, and up to 48 64-bit
 arguments, each the base address of a slot (the call's inputs and outputs, filled per
 call) plus an offset, or a constant (slot -1: the offset is the value).
 """
@@ -18,22 +18,24 @@ from pathlib import Path
 from .build import load_shared
 from .compile import build_c
 
-MAX_ARGS = 8
+MAX_ARGS = 48  # RUNNER_C's MW_MAX_ARGS
 
 RUNNER_C = r"""
 #include <stdint.h>
+#define MW_MAX_ARGS 48
 typedef intptr_t P;
-typedef struct { P fn; int32_t status, nargs; int32_t slot[8]; P off[8]; } mw_step;
-typedef P (*mw_fn)(P, P, P, P, P, P, P, P);
+typedef struct { P fn; int32_t status, nargs; int32_t slot[MW_MAX_ARGS]; P off[MW_MAX_ARGS]; } mw_step;
+typedef P (*mw_fn)(P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P);
 /* Run the steps in order; 0, or 1 + the index of the first step that reported failure. */
 int mw_run(const mw_step *s, int n, const P *slots) {
   for (int i = 0; i < n; ++i, ++s) {
-    P a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    P a[MW_MAX_ARGS] = {0};
     for (int j = 0; j < s->nargs; ++j)
       a[j] = (s->slot[j] < 0 ? 0 : slots[s->slot[j]]) + s->off[j];
-    /* every argument an integer or a pointer: the x86-64 calling conventions pass each
-       in the same register (or stack slot) whatever the callee's prototype says */
-    const P r = ((mw_fn)s->fn)(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+    /* every argument an integer or a pointer, passed as MW_MAX_ARGS of them: the x86-64
+       System V convention passes each in the same register or stack slot whatever the
+       callee's prototype says, and the caller pops the ones the callee does not read */
+    const P r = ((mw_fn)s->fn)(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22], a[23], a[24], a[25], a[26], a[27], a[28], a[29], a[30], a[31], a[32], a[33], a[34], a[35], a[36], a[37], a[38], a[39], a[40], a[41], a[42], a[43], a[44], a[45], a[46], a[47]);
     if (s->status && (int)r != 0) return i + 1;
   }
   return 0;
