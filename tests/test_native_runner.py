@@ -256,3 +256,38 @@ def test_a_step_with_many_arguments() -> None:
         assert torch.equal(got, off(x))
         ref = m(x)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+class TwoEscapes(nn.Module):
+    """Pools of slices whose results are read both by a concat and by the next block
+    (googlenet's pool-before-concat): an io group with several values read outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 1)
+        self.b = nn.Conv2d(3, 8, 1)
+        self.head = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([self.a(x), self.b(x)], 1)
+        p = nn.functional.max_pool2d(torch.relu(y), 3, 2, ceil_mode=True)
+        q = nn.functional.max_pool2d(p, 3, 1, 1)
+        return self.head(p) + self.head(q)
+
+
+def test_a_group_with_several_outputs_runs_as_one_output_pieces() -> None:
+    """Each piece of the group with one value read outside it is its own generated kernel
+    (before: the whole group ran through the framework, and so the plan from Python)."""
+    m = _reinit(TwoEscapes(), 5)
+    x = torch.randn(1, 3, 17, 17)
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    with torch.no_grad():
+        om(x)
+        got = om(x)
+        ref = m(x)
+    pools = [r for r in om.report().rows if "pool" in r.op]
+    assert pools and all(r.runs_as.value == "generated" for r in pools), [
+        (r.node, r.runs_as, r.reason) for r in pools
+    ]
+    assert om.plan.native is not None, _native_note(om)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5

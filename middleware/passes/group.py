@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 
 from ..enums import Bound
 from ..graph import Graph, Node
@@ -230,6 +231,14 @@ class _PerPoint:
     def placed(self, n: Node, same_group: list[Node]) -> None:
         before = max((self.factor.get(p.name, 1.0) for p in same_group), default=1.0)
         self.factor[n.name] = before * overlap(self.graph, n)
+
+
+def one_output_pieces(graph: Graph, names: Sequence[str]) -> list[list[str]]:
+    """Group ``names`` (in order) cut into consecutive pieces with one value read outside
+    each (a schedule computes one output): the CPU backend's way with a group of several
+    outputs, which CUDA's grouping cuts already."""
+    pieces = _one_output_pieces(graph, [graph.node(n) for n in names])
+    return [[n.name for n in piece] for piece in pieces]
 
 
 def _one_output_pieces(graph: Graph, run: list[Node]) -> list[list[Node]]:

@@ -31,7 +31,8 @@ from ...hardware import Hardware
 from ...loops import NotFusable
 from ...ops import get_op, has_loops, loops_of
 from ...options import Options
-from ...passes.group import generated_groups
+from ...passes.group import generated_groups, one_output_pieces
+from ...passes.stages import group_io
 from ..interface import Unit, node_step
 from ..vendor import ONEDNN_DTYPES, choose, layer_indices
 from ..vendor.winograd import prebuild
@@ -139,6 +140,15 @@ def _split_at_escapes(graph: Graph, group: Sequence[str], names: Sequence[str]) 
     return pieces
 
 
+def _one_output(graph: Graph, names: list[str]) -> list[list[str]]:
+    """``names`` as it is, or, where several of its values are read outside it, cut into
+    consecutive pieces with one each: one kernel per piece (what crosses between pieces is
+    materialised; the whole could not be one kernel: a schedule computes one output)."""
+    if len(group_io(graph, names)[1]) <= 1:
+        return [names]
+    return one_output_pieces(graph, names)
+
+
 def _worth_it(graph: Graph, names: Sequence[str]) -> bool:
     """A group of views only is left to the framework (a view costs nothing there)."""
     return any(not get_op(graph.node(n).op).view_like for n in names)
@@ -186,6 +196,7 @@ def fusion_units(
                 candidates += [p for p in pieces if p != group]
             for n in group:
                 why[n] = _left_out(graph, n, "" if ok else refused)
+        candidates = [q for p in candidates for q in _one_output(graph, p)]
         for names in candidates:
             if _worth_it(graph, names):
                 todo.append(names)
