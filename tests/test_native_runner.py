@@ -291,3 +291,66 @@ def test_a_group_with_several_outputs_runs_as_one_output_pieces() -> None:
     ]
     assert om.plan.native is not None, _native_note(om)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_strided_copy_matches_torch(tmp_path) -> None:  # noqa: ANN001
+    """The runner's copy of a strided view into dense memory (a reshape that copies, a
+    channel slice a kernel reads dense) gives ``contiguous()``'s elements."""
+    from middleware.backends.x86.runner import function_address
+
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(
+        function_address(tmp_path, "mw_strided_copy")
+    )
+    rng = random.Random(0)
+    for _ in range(200):
+        nd = rng.randint(1, 6)
+        shape = [rng.randint(1, 5) for _ in range(nd)]
+        base = torch.randn(*[s + rng.randint(0, 2) for s in shape])
+        v = base[
+            tuple(
+                slice(rng.randint(0, b - s), None) for s, b in zip(shape, base.shape, strict=True)
+            )
+        ]
+        v = v[tuple(slice(0, s) for s in shape)]
+        v = v.permute(*rng.sample(range(nd), nd))
+        if rng.random() < 0.3 and v.dim() > 1:
+            v = v.transpose(0, -1)
+        desc = torch.tensor([v.dim(), *v.shape, *v.stride()], dtype=torch.int64)
+        out = torch.full((v.numel(),), float("nan"))
+        fn(v.data_ptr(), out.data_ptr(), desc.data_ptr())
+        assert torch.equal(out, v.contiguous().reshape(-1)), (v.shape, v.stride())
+
+
+class Shuffle(nn.Module):
+    """shufflenet's unit: split the channels, convolve one half, concatenate, shuffle."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.branch = nn.Sequential(
+            nn.Conv2d(c // 2, c // 2, 1), nn.BatchNorm2d(c // 2), nn.ReLU(),
+            nn.Conv2d(c // 2, c // 2, 3, padding=1, groups=c // 2), nn.BatchNorm2d(c // 2),
+        )  # fmt: skip
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        for _ in range(2):
+            a, b = y.chunk(2, dim=1)
+            y = torch.cat((a, self.branch(b)), dim=1)
+            n, c, h, w = y.shape
+            y = y.view(n, 2, c // 2, h, w).transpose(1, 2).reshape(n, c, h, w)
+        return y.mean((2, 3))
+
+
+def test_channel_shuffles_run_natively() -> None:
+    m = _reinit(Shuffle(16), 6)
+    x = torch.randn(1, 3, 14, 18)
+    on = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    off = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, native_runner=False)
+    with torch.no_grad():
+        on(x)
+        got = on(x)
+        assert on.plan.native is not None, _native_note(on)
+        assert torch.equal(got, off(x))
+        ref = m(x)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5

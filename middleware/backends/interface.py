@@ -78,7 +78,8 @@ class NativeCall:
     ``native(*tensors) -> NativeCall | list[NativeCall] | None``: the same computation the
     form does on those very tensors (its inputs, then its outputs), as C calls in order,
     or None where it cannot be (a layout the kernel does not read).
-    ``fn``: the function's address; every argument is passed as a 64-bit integer, at most
+    ``fn``: the function's address (or the name of a function of the native runner's own
+    library, ``backends/x86/runner.py``: ``mw_strided_copy``); every argument is passed as a 64-bit integer, at most
     48 (``backends/x86/runner.MAX_ARGS``). ``args``: a tensor (its data pointer; the runtime maps it to an input, the
     output or the arena, and refuses any other memory), an ``int`` (a constant the call's
     owner keeps alive: a primitive's handle, a held weight's address), :data:`SCRATCH`
@@ -86,7 +87,7 @@ class NativeCall:
     :class:`Workspace` (memory of its own, shared by the calls that name it).
     ``status``: the function returns an ``int``, nonzero on failure (else ``void``)."""
 
-    fn: int
+    fn: int | str  # an address, or the name of a function of the runner's own library
     args: tuple[Any, ...]
     status: bool = False
     scratch_bytes: int = 0

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..backends.interface import SCRATCH, Workspace
-from ..backends.x86.runner import MAX_ARGS, Step, load_runner
+from ..backends.x86.runner import MAX_ARGS, Step, function_address, load_runner
 from .planned_steps import NATIVE_NOTHING
 
 
@@ -88,61 +88,97 @@ def record(
     inputs: Sequence[torch.Tensor],
     arena: torch.Tensor | None,
     cache_dir: Path,
-) -> tuple[NativeProgram, torch.Tensor]:
+) -> tuple[NativeProgram | None, Any, str]:
     """Run ``program`` (the plan's planned steps) once on ``inputs``, noting each step's C
-    call; returns the native program and the recorded run's output. Raises
-    :class:`NativeRefused` with the reason where the plan cannot run natively."""
+    calls: (the native program or None, the run's output, why not where None). Every step
+    runs exactly once whatever is refused (a step may have effects: a fallback's)."""
     fns = [p[0] for p in program]
     missing = [nm for nm, fn in zip(names, fns, strict=True) if not hasattr(fn, "native_step")]
-    if missing:
-        raise NativeRefused(f"step {missing[0]} is not one C call")
+    refused = f"step {missing[0]} is not one C call" if missing else ""
     env = list(template)
     for s, x in zip(input_slots, inputs, strict=True):
         env[s] = x
-    calls: list[tuple[str, Any, Any]] = []  # (name, NativeCall or NATIVE_NOTHING, result)
+    calls: list[tuple[str, Any]] = []  # (name, NativeCall, a list of them, or NATIVE_NOTHING)
     source = None
     for (fn, ins, outs, multi, frees), name in zip(program, names, strict=True):
-        if multi:
-            raise NativeRefused(f"step {name} has several outputs")
         args = [env[i] for i in ins]
         r = fn(*args)
-        call = fn.native_step(tuple(args), r)
-        if call is None:
-            raise NativeRefused(f"step {name} cannot be one C call on its operands")
-        calls.append((name, call, r))
-        if outs[0] == out_slot:
-            source = getattr(fn, "output_source", None)
-        env[outs[0]] = r
+        if not refused:
+            refused, call = _noted(fn, name, tuple(args), r, multi, out_slot in outs)
+            calls.append((name, call))
+            if out_slot in outs:
+                source = getattr(fn, "output_source", None)
+        if multi:
+            for o, v in zip(outs, r, strict=True):
+                env[o] = v
+        else:
+            env[outs[0]] = r
         for f in frees:
             env[f] = None
     out = env[out_slot]
+    if refused:
+        return None, out, refused
     if source is None or not isinstance(out, torch.Tensor):
-        raise NativeRefused("the output is not written by a step into memory it allocates")
+        return None, out, "the output is not written by a step into memory it allocates"
+    try:
+        return _encode(calls, template, inputs, out, source, arena, cache_dir), out, ""
+    except NativeRefused as e:
+        return None, out, str(e)
+
+
+def _noted(
+    fn: Any, name: str, args: tuple[Any, ...], r: Any, multi: bool, writes_output: bool
+) -> tuple[str, Any]:
+    """(why not, or ""; the step's native call) of one step that ran on ``args``."""
+    try:
+        call = fn.native_step(args, r)
+    except Exception as e:  # noqa: BLE001 - a form's description failing refuses, no more
+        return f"step {name}: its native form failed ({type(e).__name__}: {e})", None
+    if call is None:
+        return f"step {name} cannot be one C call on its operands", None
+    if multi and (call is not NATIVE_NOTHING or writes_output):
+        return f"step {name} has several outputs", None
+    return "", call
+
+
+def _encode(
+    calls: list[tuple[str, Any]],
+    template: list,
+    inputs: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    source: Callable[[], torch.Tensor],
+    arena: torch.Tensor | None,
+    cache_dir: Path,
+) -> NativeProgram:
+    """The recorded calls as the runner's step array (raises :class:`NativeRefused`)."""
     dynamic = [_span(x) for x in inputs] + [_span(out)]
     # memory that lives as long as the plan: the arena and the plan's constants
     fixed = [_region(t) for t in [arena, *template] if isinstance(t, torch.Tensor)]
     records = [
         (name, c)
-        for name, call, _ in calls
+        for name, call in calls
         if call is not NATIVE_NOTHING
         for c in (call if isinstance(call, list) else [call])
     ]
+    uses_scratch = any(a is SCRATCH for _, c in records for a in c.args)
     scratch_bytes = max((c.scratch_bytes for _, c in records), default=0)
-    scratch = torch.empty(scratch_bytes, dtype=torch.uint8) if scratch_bytes else None
+    # (a primitive that needs none still gets a valid address)
+    scratch = torch.empty(max(scratch_bytes, 64), dtype=torch.uint8) if uses_scratch else None
     spaces: dict[Workspace, torch.Tensor] = {}
     steps = (Step * max(len(records), 1))()
     for k, (name, call) in enumerate(records):
         if len(call.args) > MAX_ARGS:
             raise NativeRefused(f"step {name} takes more than {MAX_ARGS} arguments")
         st = steps[k]
-        st.fn, st.status, st.nargs = call.fn, int(call.status), len(call.args)
+        fn = call.fn if isinstance(call.fn, int) else function_address(cache_dir, call.fn)
+        st.fn, st.status, st.nargs = fn, int(call.status), len(call.args)
         for j, a in enumerate(call.args):
             if isinstance(a, Workspace):
                 if a not in spaces:
                     spaces[a] = torch.empty(max(a.nbytes, 64), dtype=torch.uint8)
                 a = spaces[a].data_ptr()
             st.slot[j], st.off[j] = _argument(name, a, dynamic, fixed, scratch)
-    prog = NativeProgram(
+    return NativeProgram(
         steps,
         len(records),
         len(inputs),
@@ -152,7 +188,6 @@ def record(
         [scratch, *spaces.values()],
         [name for name, _ in records],
     )
-    return prog, out
 
 
 def _argument(
@@ -164,7 +199,8 @@ def _argument(
 ) -> tuple[int, int]:
     """(slot, offset) of one argument: slot -1 for a constant (the offset its value)."""
     if a is SCRATCH:
-        assert scratch is not None
+        if scratch is None:
+            raise NativeRefused(f"step {name}: a scratchpad without its size")
         return -1, scratch.data_ptr()
     if isinstance(a, bool) or not isinstance(a, (int, torch.Tensor)):
         raise NativeRefused(f"step {name}: an argument of type {type(a).__name__}")

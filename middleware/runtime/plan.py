@@ -23,7 +23,7 @@ from ..backends.interface import Unit, held_inputs, node_unit, to_tensor, users_
 from ..enums import RunsAs
 from ..graph import PARAM_SOURCES, Graph, map_tree
 from .memory import plan_memory as make_memory_plan
-from .native import NativeProgram, NativeRefused, same_values
+from .native import NativeProgram, same_values
 from .native import record as record_native
 
 # The largest arena the native runner asks for (every intermediate value in it, none
@@ -213,20 +213,19 @@ class Plan:
     def _record_native(self, inputs: Sequence[torch.Tensor], cache_dir: Any) -> Any:
         self._native = None  # whatever happens, one attempt
         names = [st.name for st in self.steps]
-        try:
-            prog, out = record_native(
-                self._program,
-                self._template,
-                self.input_slots,
-                self._single_out,
-                names,
-                inputs,
-                self.arena,
-                cache_dir,
-            )
-        except NativeRefused as e:
-            self._note_native(str(e))
-            return self._run(inputs, self._program)
+        prog, out, why = record_native(
+            self._program,
+            self._template,
+            self.input_slots,
+            self._single_out,
+            names,
+            inputs,
+            self.arena,
+            cache_dir,
+        )
+        if prog is None:
+            self._note_native(why)
+            return out
         # into memory of its own (not a second kept output buffer)
         again = prog(inputs, torch.empty_like(out))
         if not same_values(out, again):

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..enums import RunsAs
 from ..graph import Graph, TensorType
 from ..ops import get_op, torch_dtype
 from ..options import check_memory_default
@@ -319,7 +320,17 @@ def _step_fn(
         _native_form(in_place, out_form, lambda ins, r: (*ins, ins[k]))
         return in_place
     if len(u.outputs) != 1:
-        return u.fn
+        nd = pl.single[i]
+        if nd is None or u.runs_as == RunsAs.FALLBACK or not get_op(nd.op).view_like:
+            return u.fn
+        split_fn = u.fn  # a split: views of its input, nothing to run natively
+
+        def split(*ins):
+            return split_fn(*ins)
+
+        split.__name__ = getattr(u.fn, "__name__", "split")
+        split.native_step = _views_nothing  # type: ignore[attr-defined]
+        return split
     y = u.outputs[0]
     root = pl.cls.find(y)
     if (
@@ -364,7 +375,13 @@ def _step_fn(
         _native_form(fresh_output, form[0], lambda ins, r: (*ins, r))
         fresh_output.output_source = lambda: empty_of(t, device)  # type: ignore[attr-defined]
         return fresh_output
-    if pl.kind.get(y) == "view" and i not in pl.copies and len(u.inputs) >= 1:
+    if (
+        pl.kind.get(y) == "view"
+        and i not in pl.copies
+        and u.runs_as != RunsAs.FALLBACK  # (its result may alias what it computed in place)
+        and pl.single[i] is not None
+        and get_op(pl.single[i].op).view_like
+    ):
         # a view of its input: nothing to run natively where the result does alias it
         view_fn = u.fn
 
@@ -494,6 +511,14 @@ def _native_form(
     native = getattr(out_form, "native", None)
     if native is not None:
         step.native_step = lambda ins, r: native(*operands(ins, r))  # type: ignore[attr-defined]
+
+
+def _views_nothing(ins: tuple[Any, ...], rs: Any) -> str | None:
+    """A split's native call: nothing, where every result aliases its first input."""
+    if not isinstance(rs, (list, tuple)) or not rs:
+        return None
+    results = [_view_nothing(ins, r) for r in rs]
+    return NATIVE_NOTHING if all(x is NATIVE_NOTHING for x in results) else None
 
 
 def _view_nothing(ins: tuple[Any, ...], r: Any) -> str | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..backends.interface import NativeCall
 from ..enums import RunsAs
 from ..graph import Graph, Node, TensorType
 from ..ops import OutForm, get_op
@@ -109,6 +110,8 @@ class StorageClasses:
                 of_permuted = bool(set(nd.inputs) & permuted)
                 if of_permuted and get_op(nd.op).copies_permuted:
                     self.copies.add(i)  # ATen copies it: a class of its own
+                    if self.forms[i] is None and len(u.outputs) == 1:
+                        self.forms[i] = (_reshape_copy_form(), ())  # (into the arena)
                     continue
                 if nd.op == "permute" and not _dense_permute(self.graph, nd):
                     permuted.update(u.outputs)
@@ -320,6 +323,34 @@ def _out_form(graph: Graph, u: Any, nd: Node | None) -> OutForm | None:
     if out_fn is not None and u.runs_as == RunsAs.VENDOR and len(u.outputs) == 1:
         return out_fn, ()  # a vendor call's own (the direct oneDNN convolution's)
     return None
+
+
+def _reshape_copy_form() -> Callable[..., Any]:
+    """The destination form of a reshape that copies (its input permuted): the input's
+    elements in row-major order into the dense output, as ``reshape`` orders them. Its
+    native call is the runner's strided copy (the input's sizes and strides held here)."""
+    described: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+
+    def reshape_into(x: torch.Tensor, *rest: Any) -> None:
+        out = rest[-1]
+        if out.is_contiguous():
+            out.view(x.shape).copy_(x)
+        else:
+            out.copy_(x.reshape(out.shape))
+
+    def native(x: torch.Tensor, *rest: Any) -> NativeCall | None:
+        out = rest[-1]
+        if not out.is_contiguous() or x.dtype != torch.float32 or out.dtype != torch.float32:
+            return None
+        if x.dim() > 8 or x.numel() != out.numel():
+            return None
+        key = (tuple(x.shape), tuple(x.stride()))
+        if key not in described:
+            described[key] = torch.tensor([x.dim(), *key[0], *key[1]], dtype=torch.int64)
+        return NativeCall("mw_strided_copy", (x, out, described[key].data_ptr()))
+
+    reshape_into.native = native  # type: ignore[attr-defined]
+    return reshape_into
 
 
 def _inplace_inputs(nd: Node) -> tuple[int, ...]:

@@ -411,18 +411,25 @@ def direct_conv(
                 return handle, x
         return prims.dense(kind, x_strides), x.contiguous(memory_format=fmt)
 
-    def converted_native(x: torch.Tensor, handle: int, y: torch.Tensor) -> Any:
-        """The stem's NCHW image into a channels_last convolution: the conversion
-        ``source`` makes, then the call, or None for another conversion."""
-        if not (convert and dst_nhwc and x.is_contiguous() and x.dtype == torch.float32):
+    described: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+
+    def converted_native(x: torch.Tensor, handle: int, y: torch.Tensor, r: Any = 0) -> Any:
+        """A source ``source`` makes dense first (the stem's NCHW image into a channels_last
+        network, a channel slice of a split): the copy into a workspace, then the call."""
+        if x.dtype != torch.float32 or x.dim() != 4 or 0 in x.stride():
             return None
         ws = Workspace(x.numel() * 4)
-        nb, cb, hb, wb = x.shape
-        to_nhwc = to_channels_last_address(options.cache_dir)
-        return [
-            NativeCall(to_nhwc, (x, ws, nb, cb, hb * wb)),
-            NativeCall(run_address, (handle, ws, y, 0, SCRATCH), True, prims.scratch_bytes),
-        ]
+        if convert and dst_nhwc and x.is_contiguous():  # the stem's image: a transpose
+            nb, cb, hb, wb = x.shape
+            copy = NativeCall(to_channels_last_address(options.cache_dir), (x, ws, nb, cb, hb * wb))
+        else:  # the elements in the dense layout's order, wherever they lie
+            v = x.permute(0, 2, 3, 1) if dst_nhwc else x
+            key = (tuple(v.shape), tuple(v.stride()))
+            if key not in described:
+                described[key] = torch.tensor([4, *key[0], *key[1]], dtype=torch.int64)
+            copy = NativeCall("mw_strided_copy", (x, ws, described[key].data_ptr()))
+        call = NativeCall(run_address, (handle, ws, y, r, SCRATCH), True, prims.scratch_bytes)
+        return [copy, call]
 
     def dense_out(y: torch.Tensor) -> None:
         if y.stride() != out_strides or y.shape != shape:
@@ -482,7 +489,7 @@ def direct_conv(
                 return None
             handle, src = source(1, x)
             if src is not x:
-                return None
+                return converted_native(x, handle, y, r)
             return NativeCall(run_address, (handle, x, y, r, SCRATCH), True, prims.scratch_bytes)
 
         conv_add_onednn_out.native = conv_add_onednn_native  # type: ignore[attr-defined]
@@ -509,7 +516,7 @@ def direct_conv(
                 return None
             handle, src = source(2, x)
             if src is not x:
-                return None
+                return converted_native(x, handle, r)
             return NativeCall(run_address, (handle, x, r, 0, SCRATCH), True, prims.scratch_bytes)
 
         conv_add_into_residual_onednn.native = into_residual_native  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from ...hardware import Hardware
 from ...loops import Call, NotFusable
 from ...options import Options
 from ...passes.schedule import Schedule, schedule_group
-from ..interface import NativeCall, native_address
+from ..interface import NativeCall, Workspace, native_address
 from . import index, window
 from .cfuncs import UNSUPPORTED_ISPC
 from .compile import Built, build_c, build_ispc
@@ -99,15 +99,29 @@ def _callables(
 
     address = native_address(cfunc)
 
-    def native(*args: torch.Tensor) -> NativeCall | None:
-        """out_fn as one C call on these very tensors (None where an input would be
-        made contiguous first, or the output is not in the kernel's order)."""
+    described: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+
+    def native(*args: torch.Tensor) -> list[NativeCall] | None:
+        """out_fn as C calls on these very tensors: an input in another order (a channel
+        slice of a split) copied into a workspace first, as ``prepare`` copies it, then
+        the kernel (None where the output is not in the kernel's order)."""
         if len(args) != nin + 1 or nin + 1 > MAX_ARGS:
             return None
-        formats = (*in_formats, out_format)
-        if not all(t.is_contiguous(memory_format=f) for t, f in zip(args, formats, strict=True)):
+        if not args[nin].is_contiguous(memory_format=out_format):
             return None
-        return NativeCall(address, tuple(args))
+        calls, operands = [], list(args)
+        for k, (t, f) in enumerate(zip(args[:nin], in_formats, strict=True)):
+            if t.is_contiguous(memory_format=f):
+                continue
+            if t.dtype != torch.float32 or t.dim() > 8 or 0 in t.stride():
+                return None
+            v = t.permute(0, 2, 3, 1) if f == torch.channels_last else t
+            key = (tuple(v.shape), tuple(v.stride()))
+            if key not in described:
+                described[key] = torch.tensor([v.dim(), *key[0], *key[1]], dtype=torch.int64)
+            operands[k] = Workspace(t.numel() * 4)
+            calls.append(NativeCall("mw_strided_copy", (t, operands[k], described[key].data_ptr())))
+        return [*calls, NativeCall(address, tuple(operands))]
 
     out_fn.native = native  # type: ignore[attr-defined]
 

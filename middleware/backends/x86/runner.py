@@ -40,6 +40,39 @@ int mw_run(const mw_step *s, int n, const P *slots) {
   }
   return 0;
 }
+/* dst (dense, row-major) = src, d = {ndim, sizes[ndim], strides[ndim]} in elements,
+   ndim <= 8: a reshape that copies (a channel shuffle's merge) */
+void mw_strided_copy(const float *src, float *dst, const int64_t *d) {
+  const int nd = (int)d[0];
+  const int64_t *size = d + 1, *stride = d + 1 + nd;
+  /* the two innermost dimensions as a tight loop nest, the rest by an index odometer */
+  const int64_t n1 = nd > 0 ? size[nd - 1] : 1, s1 = nd > 0 ? stride[nd - 1] : 0;
+  const int64_t n2 = nd > 1 ? size[nd - 2] : 1, s2 = nd > 1 ? stride[nd - 2] : 0;
+  const int outer = nd > 2 ? nd - 2 : 0;
+  int64_t idx[8] = {0}, total = 1, off = 0;
+  for (int k = 0; k < outer; ++k) total *= size[k];
+  for (int64_t i = 0; i < total; ++i) {
+    const float *p = src + off;
+    if (s1 == 1) {
+      for (int64_t b = 0; b < n2; ++b, dst += n1)
+        for (int64_t a = 0; a < n1; ++a) dst[a] = p[b * s2 + a];
+    } else if (n1 == 2) { /* a channel shuffle's pairs */
+      for (int64_t b = 0; b < n2; ++b, dst += 2) {
+        dst[0] = p[b * s2];
+        dst[1] = p[b * s2 + s1];
+      }
+    } else {
+      for (int64_t b = 0; b < n2; ++b, dst += n1)
+        for (int64_t a = 0; a < n1; ++a) dst[a] = p[b * s2 + a * s1];
+    }
+    for (int k = outer - 1; k >= 0; --k) {
+      off += stride[k];
+      if (++idx[k] < size[k]) break;
+      off -= stride[k] * size[k];
+      idx[k] = 0;
+    }
+  }
+}
 /* dst (N, H*W, C) = src (N, C, H*W): an NCHW image into a channels_last network */
 void mw_to_channels_last(const float *src, float *dst, long n, long c, long hw) {
   for (long b = 0; b < n; ++b)
@@ -74,4 +107,9 @@ def load_runner(cache_dir: Path) -> ctypes._CFuncPtr:  # type: ignore[name-defin
 
 def to_channels_last_address(cache_dir: Path) -> int:
     """The address of ``mw_to_channels_last(src, dst, n, c, h*w)`` (float32, void)."""
-    return int(ctypes.cast(_library(cache_dir).mw_to_channels_last, ctypes.c_void_p).value or 0)
+    return function_address(cache_dir, "mw_to_channels_last")
+
+
+def function_address(cache_dir: Path, name: str) -> int:
+    """The address of the runner library's function ``name``."""
+    return int(ctypes.cast(getattr(_library(cache_dir), name), ctypes.c_void_p).value or 0)
