@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import random
 import threading
+import warnings
 
 import pytest
 import torch
@@ -353,4 +354,114 @@ def test_channel_shuffles_run_natively() -> None:
         assert on.plan.native is not None, _native_note(on)
         assert torch.equal(got, off(x))
         ref = m(x)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x) + self.conv(y))
+
+
+def test_inputs_sharing_memory_at_the_recording_refuse_it() -> None:
+    """A first call with one tensor as both inputs cannot say which input an address
+    follows later: refused, and a later call with two tensors is right."""
+    m = _reinit(TwoInputs(), 7)
+    x = torch.randn(1, 3, 10, 10)
+    om = middleware.optimize(m, example_inputs=(x, x), measure_hardware=False)
+    with torch.no_grad():
+        om(x, x)
+        a, b = torch.randn_like(x), torch.randn_like(x)
+        got, ref = om(a, b), m(a, b)
+    assert om.plan.native is None
+    assert "share memory" in _native_note(om)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+class Concat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(3, 8, 1)
+        self.c = nn.Conv2d(16, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x))], 1))
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_convolutions_written_into_concat_slices(layout: str) -> None:
+    """At batch 1 in NCHW a channel slice of a concat is dense (its batch stride moves
+    nothing): the oneDNN convolution writes straight into it, with no plan failure."""
+    m = _reinit(Concat(), 8)
+    x = torch.randn(1, 3, 9, 11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        om = middleware.optimize(
+            m, example_inputs=(x,), measure_hardware=False, layout=layout, fuse=False
+        )  # (the concat through the framework: its inputs written into its slices)
+        with torch.no_grad():
+            for _ in range(3):
+                got = om(x)
+            ref = m(x)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_first_calls_from_two_threads() -> None:
+    """Two threads make the first calls of a fresh module together: the recording holds
+    the plan, the other waits."""
+    m, x = _mobile()
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    xs = [torch.randn_like(x) for _ in range(2)]
+    with torch.no_grad():
+        refs = [m(v) for v in xs]
+    barrier = threading.Barrier(2)
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        barrier.wait()
+        with torch.no_grad():
+            for r in range(10):
+                y = om(xs[k])
+                if not torch.allclose(
+                    y, refs[k], rtol=1e-4, atol=1e-4 * float(refs[k].abs().max())
+                ):
+                    errors.append(f"thread {k} call {r}")
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+
+
+def test_a_skipped_computation_fails_the_check() -> None:
+    """A step the program would wrongly skip: the check runs with every intermediate set
+    to NaN first, so it cannot pass on what the recorded run left in the arena (here the
+    convolution's output, which no later step overwrites)."""
+    from middleware.runtime.planned_steps import NATIVE_NOTHING
+
+    m = _reinit(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)), 9)
+    x = torch.randn(1, 3, 12, 12)
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    with torch.no_grad():
+        om(torch.randn_like(x))  # compiles; the plan records on its first run
+    plan = om.plan
+    assert plan.native is not None, _native_note(om)
+    plan._native = om.options.cache_dir  # record again, the convolution's step lying
+    step = plan._program[0][0]
+    honest = step.native_step
+    step.native_step = lambda ins, r: NATIVE_NOTHING
+    try:
+        with torch.no_grad():
+            got = om(x)
+            ref = m(x)
+    finally:
+        step.native_step = honest
+    assert plan.native is None
+    assert "differed" in _native_note(om)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5

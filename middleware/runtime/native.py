@@ -32,6 +32,8 @@ import torch
 
 from ..backends.interface import SCRATCH, Workspace
 from ..backends.x86.runner import MAX_ARGS, Step, function_address, load_runner
+from ..enums import RunsAs
+from ..ops import get_op
 from .planned_steps import NATIVE_NOTHING
 
 
@@ -124,6 +126,8 @@ def record(
         return _encode(calls, template, inputs, out, source, arena, cache_dir), out, ""
     except NativeRefused as e:
         return None, out, str(e)
+    except Exception as e:  # noqa: BLE001 - the runner's compile or load: refused, no more
+        return None, out, f"{type(e).__name__}: {e}"
 
 
 def _noted(
@@ -152,6 +156,10 @@ def _encode(
 ) -> NativeProgram:
     """The recorded calls as the runner's step array (raises :class:`NativeRefused`)."""
     dynamic = [_span(x) for x in inputs] + [_span(out)]
+    spans = sorted(d for d in dynamic if d[1] > d[0])
+    if any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False)):
+        # (an address inside both could not say which slot it follows on later calls)
+        raise NativeRefused("the recorded call's inputs share memory")
     # memory that lives as long as the plan: the arena and the plan's constants
     fixed = [_region(t) for t in [arena, *template] if isinstance(t, torch.Tensor)]
     records = [
@@ -222,3 +230,21 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def not_native(units: Sequence[Any], single_ops: Sequence[str | None]) -> str:
+    """Why not every unit may offer native calls ("" where each may: a generated kernel, a
+    vendor call with a native destination form, a view-like op or a concat; never a
+    fallback). Only then does the planner keep every intermediate in the arena for the
+    native runner (and record it)."""
+    for u, op in zip(units, single_ops, strict=True):
+        if u.runs_as == RunsAs.FALLBACK:
+            return f"step {u.name} runs the original code"
+        if u.runs_as == RunsAs.GENERATED:
+            continue
+        if getattr(getattr(u, "out_fn", None), "native", None) is not None:
+            continue
+        if op is not None and (op == "cat" or get_op(op).view_like):
+            continue
+        return f"step {u.name} is not one C call"
+    return ""

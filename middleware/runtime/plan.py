@@ -23,7 +23,7 @@ from ..backends.interface import Unit, held_inputs, node_unit, to_tensor, users_
 from ..enums import RunsAs
 from ..graph import PARAM_SOURCES, Graph, map_tree
 from .memory import plan_memory as make_memory_plan
-from .native import NativeProgram, same_values
+from .native import NativeProgram, not_native, same_values
 from .native import record as record_native
 
 # The largest arena the native runner asks for (every intermediate value in it, none
@@ -180,14 +180,17 @@ class Plan:
     def run(self, inputs: Sequence[torch.Tensor]) -> Any:
         if self.memory is None:
             return self._run(inputs, self._program)
-        native = self._native
-        if native is not None:
-            # one caller at a time (blocking): the native program bypasses the per-step
-            # locks the unplanned steps take around their primitives
+        if self._native is not None:
+            # one caller at a time (blocking), from the moment a recording may start: the
+            # native program bypasses the per-step locks the unplanned steps take around
+            # their primitives
             with self._busy:
+                native = self._native  # (read again: another caller may have recorded)
                 if isinstance(native, NativeProgram):
                     if native.threads == torch.get_num_threads():
                         return native(inputs)
+                    return self._run(inputs, self._program)
+                if native is None:  # refused meanwhile
                     return self._run(inputs, self._program)
                 return self._record_native(inputs, native)
         if not self._busy.acquire(blocking=False):
@@ -211,7 +214,10 @@ class Plan:
         return self._native if isinstance(self._native, NativeProgram) else None
 
     def _record_native(self, inputs: Sequence[torch.Tensor], cache_dir: Any) -> Any:
-        self._native = None  # whatever happens, one attempt
+        """Under ``_busy``: the planned steps run once, recorded; the program is then
+        checked against that run with every intermediate poisoned first (NaN in the arena
+        and the workspaces: a step that the program skips or misplaces shows), and kept
+        only if its output is the same bit for bit. Any refusal keeps the Python steps."""
         names = [st.name for st in self.steps]
         prog, out, why = record_native(
             self._program,
@@ -223,11 +229,19 @@ class Plan:
             self.arena,
             cache_dir,
         )
+        self._native = None  # unless the check below passes
         if prog is None:
             self._note_native(why)
             return out
-        # into memory of its own (not a second kept output buffer)
-        again = prog(inputs, torch.empty_like(out))
+        try:
+            for buf in [self.arena, *prog.buffers]:
+                if buf is not None and buf.numel() % 4 == 0:
+                    buf.view(torch.float32).fill_(float("nan"))
+            # into memory of its own (not a second kept output buffer)
+            again = prog(inputs, torch.full_like(out, float("nan")))
+        except Exception as e:  # noqa: BLE001 - a failing check refuses the runner, no more
+            self._note_native(f"its check failed ({type(e).__name__}: {e})")
+            return out
         if not same_values(out, again):
             self._note_native("its output differed from the Python steps' (not used)")
             return out
@@ -352,6 +366,11 @@ def build_plan(
     if plan_memory:
         try:
             native_cpu = native is not None and device.type == "cpu" and not owned
+            why_not = ""
+            if native_cpu:
+                ops = [graph.node(u.nodes[0]).op if len(u.nodes) == 1 else None for u in units]
+                why_not = not_native(units, ops)
+                native_cpu = not why_not
             planned = make_memory_plan(
                 graph,
                 units,
@@ -364,6 +383,8 @@ def build_plan(
             plan.use_memory_plan(planned)
             if native_cpu:
                 plan.use_native(native)
+            elif why_not:
+                plan._note_native(why_not)
         except Exception as e:  # noqa: BLE001 - a planner bug must not break optimize()
             warnings.warn(
                 f"middleware: the buffer planner failed ({type(e).__name__}: {e}); "

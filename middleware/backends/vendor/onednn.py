@@ -431,8 +431,15 @@ def direct_conv(
         call = NativeCall(run_address, (handle, ws, y, r, SCRATCH), True, prims.scratch_bytes)
         return [copy, call]
 
+    def dense(t: torch.Tensor) -> bool:
+        """``t`` lies in memory as the dense output does (a size-1 dimension's stride,
+        such as a concat slice's batch stride at batch 1, moves nothing)."""
+        if tuple(t.shape) != shape:
+            return False
+        return all(a == b for a, b, n in zip(t.stride(), out_strides, shape, strict=True) if n != 1)
+
     def dense_out(y: torch.Tensor) -> None:
-        if y.stride() != out_strides or y.shape != shape:
+        if not dense(y):
             raise ValueError(
                 f"{node.name}: the oneDNN convolution writes a dense {shape} output "
                 f"(strides {out_strides}), got {tuple(y.shape)} strided {y.stride()}"
@@ -451,7 +458,7 @@ def direct_conv(
 
         def conv_onednn_native(x, *rest):
             y = rest[-1]
-            if y.stride() != out_strides or y.shape != shape:
+            if not dense(y):
                 return None
             handle, src = source(0, x)
             if src is x:
@@ -475,7 +482,7 @@ def direct_conv(
             """Destination form: ``rest`` ends with the residual, then the dense output."""
             r, y = rest[-2], rest[-1]
             dense_out(y)
-            r = r if r.stride() == out_strides else r.contiguous(memory_format=fmt)
+            r = r if dense(r) else r.contiguous(memory_format=fmt)
             with prims.busy:
                 handle, x = source(1, x)
                 if run(
@@ -485,7 +492,7 @@ def direct_conv(
 
         def conv_add_onednn_native(x, *rest):
             r, y = rest[-2], rest[-1]
-            if y.stride() != out_strides or y.shape != shape or r.stride() != out_strides:
+            if not (dense(y) and dense(r)):
                 return None
             handle, src = source(1, x)
             if src is not x:
@@ -501,7 +508,7 @@ def direct_conv(
 
         def conv_add_into_residual_onednn(x, *rest):
             r = rest[-1]
-            if r.stride() != out_strides:  # not the dense buffer the sum form accumulates into
+            if not dense(r):  # not the dense buffer the sum form accumulates into
                 r.copy_(conv_add_onednn(x, *rest))
                 return r
             with prims.busy:
@@ -512,7 +519,7 @@ def direct_conv(
 
         def into_residual_native(x, *rest):
             r = rest[-1]
-            if r.stride() != out_strides:
+            if not dense(r):
                 return None
             handle, src = source(2, x)
             if src is not x:
