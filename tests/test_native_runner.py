@@ -74,6 +74,20 @@ def _native_note(om: middleware.OptimizedModule) -> str:
     return " ".join(n for n in om.plan.notes if n.startswith("native runner"))
 
 
+def _native_equals_python(m: nn.Module, x: torch.Tensor) -> middleware.OptimizedModule:
+    """``m`` on ``x`` runs natively, bit for bit as its Python steps, and as PyTorch."""
+    on = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    off = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, native_runner=False)
+    with torch.no_grad():
+        on(x)
+        got = on(x)
+        assert on.plan.native is not None, _native_note(on)
+        assert torch.equal(got, off(x))
+        ref = m(x)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    return on
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_networks_equal_the_python_steps_and_pytorch(seed: int) -> None:
     rng = random.Random(seed)
@@ -218,18 +232,8 @@ class Flat(nn.Module):
 
 def test_views_run_as_nothing() -> None:
     """A flatten between the layers is a view of the arena: no call, the same answer."""
-    m = _reinit(Flat(), 2)
-    x = torch.randn(1, 3, 16, 16)
-    on = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
-    off = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, native_runner=False)
-    with torch.no_grad():
-        on(x)
-        got = on(x)
-        assert on.plan.native is not None, _native_note(on)
-        assert len(set(on.plan.native.names)) < len(on.plan.steps)  # the view made no call
-        assert torch.equal(got, off(x))
-        ref = m(x)
-    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    on = _native_equals_python(_reinit(Flat(), 2), torch.randn(1, 3, 16, 16))
+    assert len(set(on.plan.native.names)) < len(on.plan.steps)  # the view made no call
 
 
 class ManyInputs(nn.Module):
@@ -248,15 +252,7 @@ class ManyInputs(nn.Module):
 def test_a_step_with_many_arguments() -> None:
     m = _reinit(ManyInputs(), 4)
     x = torch.randn(1, 3, 10, 12)
-    on = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
-    off = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, native_runner=False)
-    with torch.no_grad():
-        on(x)
-        got = on(x)
-        assert on.plan.native is not None, _native_note(on)
-        assert torch.equal(got, off(x))
-        ref = m(x)
-    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    _native_equals_python(m, x)
 
 
 class TwoEscapes(nn.Module):
@@ -346,15 +342,7 @@ class Shuffle(nn.Module):
 def test_channel_shuffles_run_natively() -> None:
     m = _reinit(Shuffle(16), 6)
     x = torch.randn(1, 3, 14, 18)
-    on = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
-    off = middleware.optimize(m, example_inputs=(x,), measure_hardware=False, native_runner=False)
-    with torch.no_grad():
-        on(x)
-        got = on(x)
-        assert on.plan.native is not None, _native_note(on)
-        assert torch.equal(got, off(x))
-        ref = m(x)
-    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+    _native_equals_python(m, x)
 
 
 class TwoInputs(nn.Module):
