@@ -91,6 +91,7 @@ class NativeCall:
     args: tuple[Any, ...]
     status: bool = False
     scratch_bytes: int = 0
+    keep: tuple[Any, ...] = ()  # what a constant argument points into (kept with the program)
 
 
 def native_address(cfunc: Any) -> int:

@@ -53,6 +53,7 @@ class NativeProgram:
     threads: int
     buffers: list[torch.Tensor | None]  # the scratchpad and the workspaces it passes
     names: list[str]
+    kept: list[Any]  # what the calls' constants point into (NativeCall.keep)
 
     def __call__(
         self, inputs: Sequence[torch.Tensor], out: torch.Tensor | None = None
@@ -195,6 +196,7 @@ def _encode(
         torch.get_num_threads(),
         [scratch, *spaces.values()],
         [name for name, _ in records],
+        [k for _, c in records for k in c.keep],
     )
 
 

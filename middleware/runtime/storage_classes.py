@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..backends.interface import NativeCall
+from ..backends.x86.runner import strided_copy
 from ..enums import RunsAs
 from ..graph import Graph, Node, TensorType
 from ..ops import OutForm, get_op
@@ -328,8 +329,7 @@ def _out_form(graph: Graph, u: Any, nd: Node | None) -> OutForm | None:
 def _reshape_copy_form() -> Callable[..., Any]:
     """The destination form of a reshape that copies (its input permuted): the input's
     elements in row-major order into the dense output, as ``reshape`` orders them. Its
-    native call is the runner's strided copy (the input's sizes and strides held here)."""
-    described: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+    native call is the runner's strided copy."""
 
     def reshape_into(x: torch.Tensor, *rest: Any) -> None:
         out = rest[-1]
@@ -340,14 +340,9 @@ def _reshape_copy_form() -> Callable[..., Any]:
 
     def native(x: torch.Tensor, *rest: Any) -> NativeCall | None:
         out = rest[-1]
-        if not out.is_contiguous() or x.dtype != torch.float32 or out.dtype != torch.float32:
+        if not out.is_contiguous() or out.dtype != torch.float32 or x.numel() != out.numel():
             return None
-        if x.dim() > 8 or x.numel() != out.numel():
-            return None
-        key = (tuple(x.shape), tuple(x.stride()))
-        if key not in described:
-            described[key] = torch.tensor([x.dim(), *key[0], *key[1]], dtype=torch.int64)
-        return NativeCall("mw_strided_copy", (x, out, described[key].data_ptr()))
+        return strided_copy(x, out)
 
     reshape_into.native = native  # type: ignore[attr-defined]
     return reshape_into

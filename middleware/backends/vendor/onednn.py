@@ -45,7 +45,7 @@ from ..interface import SCRATCH, NativeCall, Workspace, native_address
 from ..x86.build import load_shared
 from ..x86.compile import build_c
 from ..x86.render import environment
-from ..x86.runner import to_channels_last_address
+from ..x86.runner import strided_copy
 
 Kernel = Callable[..., Any]
 
@@ -411,23 +411,16 @@ def direct_conv(
                 return handle, x
         return prims.dense(kind, x_strides), x.contiguous(memory_format=fmt)
 
-    described: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
-
     def converted_native(x: torch.Tensor, handle: int, y: torch.Tensor, r: Any = 0) -> Any:
         """A source ``source`` makes dense first (the stem's NCHW image into a channels_last
-        network, a channel slice of a split): the copy into a workspace, then the call."""
-        if x.dtype != torch.float32 or x.dim() != 4 or 0 in x.stride():
+        network, a channel slice of a split): its elements in the dense layout's order
+        copied into a workspace, then the call."""
+        if x.dim() != 4:
             return None
         ws = Workspace(x.numel() * 4)
-        if convert and dst_nhwc and x.is_contiguous():  # the stem's image: a transpose
-            nb, cb, hb, wb = x.shape
-            copy = NativeCall(to_channels_last_address(options.cache_dir), (x, ws, nb, cb, hb * wb))
-        else:  # the elements in the dense layout's order, wherever they lie
-            v = x.permute(0, 2, 3, 1) if dst_nhwc else x
-            key = (tuple(v.shape), tuple(v.stride()))
-            if key not in described:
-                described[key] = torch.tensor([4, *key[0], *key[1]], dtype=torch.int64)
-            copy = NativeCall("mw_strided_copy", (x, ws, described[key].data_ptr()))
+        copy = strided_copy(x.permute(0, 2, 3, 1) if dst_nhwc else x, ws)
+        if copy is None:
+            return None
         call = NativeCall(run_address, (handle, ws, y, r, SCRATCH), True, prims.scratch_bytes)
         return [copy, call]
 

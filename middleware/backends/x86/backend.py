@@ -28,7 +28,7 @@ from . import index, window
 from .cfuncs import UNSUPPORTED_ISPC
 from .compile import Built, build_c, build_ispc
 from .render import render_c, render_ispc
-from .runner import MAX_ARGS
+from .runner import MAX_ARGS, strided_copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +99,6 @@ def _callables(
 
     address = native_address(cfunc)
 
-    described: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
-
     def native(*args: torch.Tensor) -> list[NativeCall] | None:
         """out_fn as C calls on these very tensors: an input in another order (a channel
         slice of a split) copied into a workspace first, as ``prepare`` copies it, then
@@ -113,14 +111,13 @@ def _callables(
         for k, (t, f) in enumerate(zip(args[:nin], in_formats, strict=True)):
             if t.is_contiguous(memory_format=f):
                 continue
-            if t.dtype != torch.float32 or t.dim() > 8 or 0 in t.stride():
-                return None
-            v = t.permute(0, 2, 3, 1) if f == torch.channels_last else t
-            key = (tuple(v.shape), tuple(v.stride()))
-            if key not in described:
-                described[key] = torch.tensor([v.dim(), *key[0], *key[1]], dtype=torch.int64)
             operands[k] = Workspace(t.numel() * 4)
-            calls.append(NativeCall("mw_strided_copy", (t, operands[k], described[key].data_ptr())))
+            copy = strided_copy(
+                t.permute(0, 2, 3, 1) if f == torch.channels_last else t, operands[k]
+            )
+            if copy is None:
+                return None
+            calls.append(copy)
         return [*calls, NativeCall(address, tuple(operands))]
 
     out_fn.native = native  # type: ignore[attr-defined]

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
+import torch
+
+from ..interface import NativeCall
 from .build import load_shared
 from .compile import build_c
 
@@ -73,13 +77,6 @@ void mw_strided_copy(const float *src, float *dst, const int64_t *d) {
     }
   }
 }
-/* dst (N, H*W, C) = src (N, C, H*W): an NCHW image into a channels_last network */
-void mw_to_channels_last(const float *src, float *dst, long n, long c, long hw) {
-  for (long b = 0; b < n; ++b)
-    for (long p = 0; p < hw; ++p)
-      for (long k = 0; k < c; ++k)
-        dst[(b * hw + p) * c + k] = src[(b * c + k) * hw + p];
-}
 """
 
 
@@ -105,11 +102,16 @@ def load_runner(cache_dir: Path) -> ctypes._CFuncPtr:  # type: ignore[name-defin
     return fn
 
 
-def to_channels_last_address(cache_dir: Path) -> int:
-    """The address of ``mw_to_channels_last(src, dst, n, c, h*w)`` (float32, void)."""
-    return function_address(cache_dir, "mw_to_channels_last")
-
-
 def function_address(cache_dir: Path, name: str) -> int:
     """The address of the runner library's function ``name``."""
     return int(ctypes.cast(getattr(_library(cache_dir), name), ctypes.c_void_p).value or 0)
+
+
+def strided_copy(view: torch.Tensor, dst: Any) -> NativeCall | None:
+    """The runner's strided copy of ``view`` (any strides, at most eight dimensions) into
+    dense ``dst`` (a tensor or a workspace) in ``view``'s row-major order; None where it
+    does not apply. The call's description of ``view`` is kept with the program."""
+    if view.dtype != torch.float32 or view.dim() > 8 or 0 in view.stride():
+        return None
+    desc = torch.tensor([view.dim(), *view.shape, *view.stride()], dtype=torch.int64)
+    return NativeCall("mw_strided_copy", (view, dst, desc.data_ptr()), keep=(desc,))
