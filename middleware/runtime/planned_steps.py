@@ -303,13 +303,9 @@ def _step_fn(
     if i in pl.inplace_fn:
         into_residual = pl.inplace_fn[i]
         native = getattr(into_residual, "native", None)
-
-        def accumulate(*ins):
-            return into_residual(*ins)
-
-        if native is not None:
-            accumulate.native_step = lambda ins, r: native(*ins)  # type: ignore[attr-defined]
-        return accumulate
+        if native is None:
+            return into_residual
+        return _offered(into_residual, lambda ins, r: native(*ins))
     if i in pl.inplace_of:
         k, out_form = pl.inplace_of[i], form[0]
 
@@ -323,14 +319,7 @@ def _step_fn(
         nd = pl.single[i]
         if nd is None or u.runs_as == RunsAs.FALLBACK or not get_op(nd.op).view_like:
             return u.fn
-        split_fn = u.fn  # a split: views of its input, nothing to run natively
-
-        def split(*ins):
-            return split_fn(*ins)
-
-        split.__name__ = getattr(u.fn, "__name__", "split")
-        split.native_step = _views_nothing  # type: ignore[attr-defined]
-        return split
+        return _offered(u.fn, _views_nothing)  # a split: views of its input, no call
     y = u.outputs[0]
     root = pl.cls.find(y)
     if (
@@ -366,13 +355,8 @@ def _step_fn(
     ):
         # a graph output the unit allocates itself (too small to recycle): the native
         # runner allocates it and calls the destination form
-        fresh_fn, t, device = u.fn, pl.graph.values[y], pl.device
-
-        def fresh_output(*ins):
-            return fresh_fn(*ins)
-
-        fresh_output.__name__ = getattr(u.fn, "__name__", "fresh_output")
-        _native_form(fresh_output, form[0], lambda ins, r: (*ins, r))
+        t, device, native = pl.graph.values[y], pl.device, form[0].native
+        fresh_output = _offered(u.fn, lambda ins, r: native(*ins, r))
         fresh_output.output_source = lambda: empty_of(t, device)  # type: ignore[attr-defined]
         return fresh_output
     if (
@@ -383,14 +367,7 @@ def _step_fn(
         and get_op(pl.single[i].op).view_like
     ):
         # a view of its input: nothing to run natively where the result does alias it
-        view_fn = u.fn
-
-        def view(*ins):
-            return view_fn(*ins)
-
-        view.__name__ = getattr(u.fn, "__name__", "view")
-        view.native_step = _view_nothing  # type: ignore[attr-defined]
-        return view
+        return _offered(u.fn, _view_nothing)
     if where[root] not in ("arena", "spilled") or pl.kind.get(y) == "view":
         return u.fn
     if y != root and y not in pl.slice_of:
@@ -511,6 +488,20 @@ def _native_form(
     native = getattr(out_form, "native", None)
     if native is not None:
         step.native_step = lambda ins, r: native(*operands(ins, r))  # type: ignore[attr-defined]
+
+
+def _offered(
+    fn: Callable[..., Any], native_step: Callable[[tuple[Any, ...], Any], Any]
+) -> Callable[..., Any]:
+    """``fn`` behind a step of its own that offers ``native_step`` to the native runner
+    (``fn`` itself may be shared: the unit's function, the unplanned program's step)."""
+
+    def step(*ins):
+        return fn(*ins)
+
+    step.__name__ = getattr(fn, "__name__", "step")
+    step.native_step = native_step  # type: ignore[attr-defined]
+    return step
 
 
 def _views_nothing(ins: tuple[Any, ...], rs: Any) -> str | None:

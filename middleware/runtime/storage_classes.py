@@ -319,10 +319,10 @@ def _out_form(graph: Graph, u: Any, nd: Node | None) -> OutForm | None:
     if spec is not None and len(nd.outputs) == 1:
         return spec.make(nd, graph)
     out_fn = getattr(u, "out_fn", None)
-    if out_fn is not None and u.runs_as == RunsAs.GENERATED:
-        return out_fn, ()
-    if out_fn is not None and u.runs_as == RunsAs.VENDOR and len(u.outputs) == 1:
-        return out_fn, ()  # a vendor call's own (the direct oneDNN convolution's)
+    if out_fn is None:
+        return None
+    if u.runs_as == RunsAs.GENERATED or (u.runs_as == RunsAs.VENDOR and len(u.outputs) == 1):
+        return out_fn, ()  # (a vendor call's own: the direct oneDNN convolution's, the GEMV's)
     return None
 
 
