@@ -84,43 +84,45 @@ def _region(t: torch.Tensor) -> tuple[int, int]:
 
 def record(
     program: list,
+    run: Callable[[Sequence[torch.Tensor], list], Any],
     template: list,
-    input_slots: Sequence[int],
     out_slot: int,
     names: Sequence[str],
     inputs: Sequence[torch.Tensor],
     arena: torch.Tensor | None,
     cache_dir: Path,
 ) -> tuple[NativeProgram | None, Any, str]:
-    """Run ``program`` (the plan's planned steps) once on ``inputs``, noting each step's C
-    calls: (the native program or None, the run's output, why not where None). Every step
-    runs exactly once whatever is refused (a step may have effects: a fallback's)."""
-    fns = [p[0] for p in program]
-    missing = [nm for nm, fn in zip(names, fns, strict=True) if not hasattr(fn, "native_step")]
-    refused = f"step {missing[0]} is not one C call" if missing else ""
-    env = list(template)
-    for s, x in zip(input_slots, inputs, strict=True):
-        env[s] = x
+    """Run ``program`` (the plan's planned steps) once on ``inputs`` through ``run`` (the
+    plan's own loop, ``Plan._run``), noting each step's C calls: (the native program or
+    None, the run's output, why not where None). Every step runs exactly once whatever is
+    refused (a step may have effects: a fallback's)."""
+    missing = [nm for nm, p in zip(names, program, strict=True) if not hasattr(p[0], "native_step")]
+    refused = [f"step {missing[0]} is not one C call"] if missing else []
     calls: list[tuple[str, Any]] = []  # (name, NativeCall, a list of them, or NATIVE_NOTHING)
-    source = None
-    for (fn, ins, outs, multi, frees), name in zip(program, names, strict=True):
-        args = [env[i] for i in ins]
-        r = fn(*args)
-        if not refused:
-            refused, call = _noted(fn, name, tuple(args), r, multi, out_slot in outs)
-            calls.append((name, call))
-            if out_slot in outs:
-                source = getattr(fn, "output_source", None)
-        if multi:
-            for o, v in zip(outs, r, strict=True):
-                env[o] = v
-        else:
-            env[outs[0]] = r
-        for f in frees:
-            env[f] = None
-    out = env[out_slot]
+    sources: list[Any] = []
+
+    def noting(fn: Any, name: str, multi: bool, writes_output: bool) -> Callable[..., Any]:
+        def step(*args: Any) -> Any:
+            r = fn(*args)
+            if not refused:
+                why, call = _noted(fn, name, args, r, multi, writes_output)
+                if why:
+                    refused.append(why)
+                calls.append((name, call))
+                if writes_output:
+                    sources.append(getattr(fn, "output_source", None))
+            return r
+
+        return step
+
+    noted = [
+        (noting(fn, name, multi, out_slot in outs), ins, outs, multi, frees)
+        for (fn, ins, outs, multi, frees), name in zip(program, names, strict=True)
+    ]
+    out = run(inputs, noted)
     if refused:
-        return None, out, refused
+        return None, out, refused[0]
+    source = sources[0] if sources else None
     if source is None or not isinstance(out, torch.Tensor):
         return None, out, "the output is not written by a step into memory it allocates"
     try:

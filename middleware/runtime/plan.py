@@ -221,8 +221,8 @@ class Plan:
         names = [st.name for st in self.steps]
         prog, out, why = record_native(
             self._program,
+            self._run,
             self._template,
-            self.input_slots,
             self._single_out,
             names,
             inputs,
