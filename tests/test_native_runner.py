@@ -148,23 +148,22 @@ def test_another_thread_count_runs_the_python_steps() -> None:
         assert torch.equal(om(x), ref)
 
 
-def test_calls_from_two_threads() -> None:
-    m, x = _mobile()
-    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
-    xs = [torch.randn_like(x) for _ in range(4)]
-    with torch.no_grad():
-        om(x)
-        refs = [m(v) for v in xs]
+def _calls_from_two_threads(
+    om: nn.Module, xs: list[torch.Tensor], refs: list[torch.Tensor], calls: int
+) -> list[str]:
+    """Two threads, started together, each make ``calls`` calls over ``xs`` in turn; the
+    calls whose output is not the reference's."""
+    barrier = threading.Barrier(2)
     errors: list[str] = []
 
     def worker(k: int) -> None:
+        barrier.wait()
         with torch.no_grad():
-            for r in range(20):
+            for r in range(calls):
                 i = (k + r) % len(xs)
                 y = om(xs[i])
-                if not torch.allclose(
-                    y, refs[i], rtol=1e-4, atol=1e-4 * float(refs[i].abs().max())
-                ):
+                scale = float(refs[i].abs().max())
+                if not torch.allclose(y, refs[i], rtol=1e-4, atol=1e-4 * scale):
                     errors.append(f"thread {k} call {r}")
 
     ts = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
@@ -172,6 +171,17 @@ def test_calls_from_two_threads() -> None:
         t.start()
     for t in ts:
         t.join()
+    return errors
+
+
+def test_calls_from_two_threads() -> None:
+    m, x = _mobile()
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    xs = [torch.randn_like(x) for _ in range(4)]
+    with torch.no_grad():
+        om(x)
+        refs = [m(v) for v in xs]
+    errors = _calls_from_two_threads(om, xs, refs, 20)
     assert om.plan.native is not None
     assert not errors, errors
 
@@ -406,24 +416,7 @@ def test_first_calls_from_two_threads() -> None:
     xs = [torch.randn_like(x) for _ in range(2)]
     with torch.no_grad():
         refs = [m(v) for v in xs]
-    barrier = threading.Barrier(2)
-    errors: list[str] = []
-
-    def worker(k: int) -> None:
-        barrier.wait()
-        with torch.no_grad():
-            for r in range(10):
-                y = om(xs[k])
-                if not torch.allclose(
-                    y, refs[k], rtol=1e-4, atol=1e-4 * float(refs[k].abs().max())
-                ):
-                    errors.append(f"thread {k} call {r}")
-
-    ts = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    errors = _calls_from_two_threads(om, xs, refs, 10)
     assert not errors, errors
 
 
