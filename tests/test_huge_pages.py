@@ -63,24 +63,30 @@ def test_advice_only_where_it_can_apply() -> None:
         assert not advise_huge_pages(torch.empty(3 * HUGE_PAGE // 4, device="cuda"))
 
 
+def _anon_huge_kb() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
 @pytest.mark.skipif(thp_mode() != "madvise", reason="the kernel's THP mode is not madvise")
-def test_advised_memory_is_backed_by_huge_pages() -> None:
-    """Advice before the first write: the kernel backs the buffer with 2 MiB pages (where
-    it has them to give; it may refuse under memory pressure, so the count only grows)."""
-
-    def anon_huge_kb() -> int:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1])
-        return 0
-
-    before = anon_huge_kb()
-    t = torch.empty(8 * HUGE_PAGE // 4)
-    assert advise_huge_pages(t)
+@pytest.mark.parametrize("advise", [True, False])
+def test_advised_memory_is_backed_by_huge_pages(advise: bool) -> None:
+    """Advice before the first write: the kernel backs the buffer's whole 2 MiB blocks
+    with 2 MiB pages; without it (the mode is madvise) it does not."""
+    before = _anon_huge_kb()
+    t = torch.empty(8 * HUGE_PAGE // 4)  # 16 MiB: at least seven whole blocks inside
+    if advise:
+        assert advise_huge_pages(t)
     t.fill_(1.0)
-    assert anon_huge_kb() >= before
+    grew = _anon_huge_kb() - before
     del t
+    if advise:
+        assert grew >= 7 * HUGE_PAGE // 1024, grew
+    else:
+        assert grew < HUGE_PAGE // 1024, grew
 
 
 class Chain(nn.Module):
