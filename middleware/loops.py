@@ -49,6 +49,7 @@ FUNCTIONS: dict[str, int] = {
     "tanh": 1,
     "erf": 1,
     "sigmoid": 1,
+    "sqrt": 1,  # correctly rounded (IEEE), NaN below 0
     # conditions: 1 if true else 0 (false for a NaN operand, as in C)
     "gt": 2,  # a > b
     "ge": 2,  # a >= b
@@ -59,7 +60,7 @@ FUNCTIONS: dict[str, int] = {
 # The functions that cost far more than an add (transcendental ones, division): an
 # expression with one is worth materialising rather than recomputing at every read.
 EXPENSIVE_FUNCTIONS: frozenset[str] = frozenset(
-    {"exp", "expm1", "log", "log1p", "tanh", "erf", "sigmoid", "div"}
+    {"exp", "expm1", "log", "log1p", "tanh", "erf", "sigmoid", "div", "sqrt"}
 )
 
 
@@ -445,13 +446,21 @@ def adaptive_avg_pool_loops(graph: Graph, node: Node) -> OpLoops:
 
 
 def mean_loops(graph: Graph, node: Node) -> OpLoops:
+    """A mean over dims that sit in the logical ``h``/``w`` (both spatial dims of a map, or
+    the last dim of a rank-3 token sequence, LayerNorm's statistics): an adaptive sum window
+    to extent 1 there, divided by the count."""
     x = node.inputs[0]
     xt = graph.values[x]
-    dims = sorted(d % xt.rank for d in node.attrs["dims"])
-    if xt.rank != 4 or dims != [2, 3]:
+    dims = sorted({d % xt.rank for d in node.attrs["dims"]})
+    places = logical_dims(xt.rank)
+    reduced = {places[d] for d in dims}
+    if not dims or not reduced <= {2, 3}:
         raise NotFusable(f"mean over dims {dims} of a rank {xt.rank} value")
     in4 = logical4(xt)
-    wins = _adaptive_windows(in4, (in4[0], in4[1], 1, 1))
+    want = tuple(1 if d in reduced else s for d, s in enumerate(in4))
+    if _out4(graph, node) != want:
+        raise NotFusable(f"mean over dims {dims} of a rank {xt.rank} value moves its output dims")
+    wins = _adaptive_windows(in4, want)
     return OpLoops(
         "reduce", Acc(), body=_window_load(x, wins), reduce="sum", windows=wins, divisor="valid"
     )

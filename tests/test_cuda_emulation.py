@@ -224,6 +224,7 @@ def _reference(fn: str, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> to
         "tanh": lambda: torch.tanh(x),
         "erf": lambda: torch.erf(x),
         "sigmoid": lambda: torch.sigmoid(x),
+        "sqrt": lambda: torch.sqrt(x),
         "gt": lambda: (x > y).float(),
         "ge": lambda: (x >= y).float(),
         "le": lambda: (x <= y).float(),

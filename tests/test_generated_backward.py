@@ -53,6 +53,8 @@ ACTIVATIONS: list[tuple[str, dict[str, Any]]] = [
     ("elu", {"alpha": 1.3}),
     ("mish", {}),
     ("hardshrink", {"lambd": 0.5}),
+    ("sqrt", {}),
+    ("rsqrt", {}),
 ]
 IDS = [f"{op}-{'-'.join(str(v) for v in a.values())}" if a else op for op, a in ACTIVATIONS]
 SPECIAL = [math.nan, math.inf, -math.inf, 0.0, -0.0, 3.0, -3.0, 6.0, 0.5, -0.5, 1.0, -1.0]

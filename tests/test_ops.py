@@ -303,6 +303,13 @@ CASES: list[Case] = [
     ("tanh-F", "tanh", lambda: f1(F.tanh), [X]),
     ("tanh-method", "tanh", lambda: Fn(lambda m, x: x.tanh()), [X]),
     ("tanh-method_", "tanh", lambda: inplace("tanh_"), [X]),
+    # on positive values (x * x + 0.5); NaN below 0 is tests/test_layer_norm_fusion.py's
+    ("sqrt-torch", "sqrt", lambda: Fn(lambda m, x: torch.sqrt(x * x + 0.5)), [X]),
+    ("sqrt-method", "sqrt", lambda: Fn(lambda m, x: (x * x + 0.5).sqrt()), [X]),
+    ("sqrt-method_", "sqrt", lambda: Fn(lambda m, x: (x * x + 0.5).sqrt_()), [X]),
+    ("rsqrt-torch", "rsqrt", lambda: Fn(lambda m, x: torch.rsqrt(x * x + 0.5)), [X]),
+    ("rsqrt-method", "rsqrt", lambda: Fn(lambda m, x: (x * x + 0.5).rsqrt()), [X]),
+    ("rsqrt-method_", "rsqrt", lambda: Fn(lambda m, x: (x * x + 0.5).rsqrt_()), [X]),
     ("silu-module", "silu", lambda: seq(nn.SiLU()), [X]),
     ("silu-module-inplace", "silu", lambda: seq(nn.Identity(), nn.SiLU(inplace=True)), [X]),
     ("silu-F", "silu", lambda: f1(F.silu), [X]),

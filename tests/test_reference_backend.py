@@ -201,6 +201,7 @@ TORCH = {
     "tanh": torch.tanh,
     "erf": torch.erf,
     "sigmoid": torch.sigmoid,
+    "sqrt": torch.sqrt,
     "gt": lambda a, b: (a > b).float(),
     "ge": lambda a, b: (a >= b).float(),
     "le": lambda a, b: (a <= b).float(),

@@ -20,6 +20,7 @@ from ..hardware import CPU_DEFAULTS, Hardware
 from ..options import Options
 from .canonicalize import canonicalize
 from .classify import classify
+from .decompose_layer_norm import decompose_layer_norm
 from .fold_batchnorm import fold_batchnorm
 from .fuse_vendor_epilogue import fuse_vendor_epilogue
 from .group import group
@@ -49,6 +50,7 @@ def make_pipeline(hardware: Hardware, layout: str = "auto") -> list[tuple[str, P
     ``layout`` is ``Options.layout`` ("auto", "nchw" or "nhwc")."""
     return [
         ("canonicalize", canonicalize),
+        ("decompose_layer_norm", decompose_layer_norm),
         ("fold_batchnorm", fold_batchnorm),
         ("merge_concat", merge_concat),
         # shared=True: also a pooling whose concat other ops read (googlenet's and

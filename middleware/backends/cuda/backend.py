@@ -49,8 +49,11 @@ class CudaBackend:
         return not reason, reason
 
     def passes_off(self, options: Options) -> tuple[str, ...]:
-        """``cuda_weights="share"``: batch norms stay unfolded (a folded weight is a copy)."""
-        return ("fold_batchnorm",) if options.cuda_weights == "share" else ()
+        """``cuda_weights="share"``: batch norms stay unfolded (a folded weight is a copy).
+        LayerNorm stays ATen's call: the row reductions of its decomposition were never
+        measured on a GPU."""
+        off = ("decompose_layer_norm",)
+        return (*off, "fold_batchnorm") if options.cuda_weights == "share" else off
 
     def lower(self, graph: Graph, options: Options) -> Graph:
         """Batch norms as a per-channel multiply-add; convolution weights channels_last

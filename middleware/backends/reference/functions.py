@@ -74,6 +74,7 @@ FUNCTIONS: dict[str, Callable[..., np.ndarray]] = {
     "tanh": lambda a: _f32(np.tanh(a)),
     "erf": _erf,
     "sigmoid": _sigmoid,
+    "sqrt": lambda a: _f32(np.sqrt(np.asarray(a, dtype=np.float32))),
     "gt": lambda a, b: _cond(np.greater(a, b)),
     "ge": lambda a, b: _cond(np.greater_equal(a, b)),
     "le": lambda a, b: _cond(np.less_equal(a, b)),

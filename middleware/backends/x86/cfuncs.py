@@ -26,6 +26,7 @@ C_FUNCS: dict[str, str] = {
     "tanh": "tanhf({0})",
     "erf": "erff({0})",
     "sigmoid": "mw_sigmoid({0})",
+    "sqrt": "sqrtf({0})",
     "gt": "({0} > {1})",
     "ge": "({0} >= {1})",
     "le": "({0} <= {1})",
@@ -43,6 +44,7 @@ ISPC_FUNCS: dict[str, str] = {
     "exp": "exp({0})",
     "log": "log({0})",
     "tanh": "mw_tanh({0})",
+    "sqrt": "sqrt({0})",
 }
 # log: ISPC's own approximation, unchecked for NaN/inf/0 (no ispc binary on the test host)
 UNSUPPORTED_ISPC = ("erf", "expm1", "log1p", "log")

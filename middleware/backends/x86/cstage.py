@@ -800,10 +800,16 @@ class StageWriter:
 
     def general(self, st: Stage, expr: Expr, d: int) -> None:
         """The schedule's nest: an accumulator row over the inner loop, the window loops
-        with their bounds, then the epilogue over the row."""
+        with their bounds, then the epilogue over the row. A sum whose inner loop is one
+        output point (a row or plane reduced to one value: LayerNorm's statistics, a global
+        average pool in NCHW) sums its innermost window loop as a SIMD reduction instead
+        (a serial chain of adds otherwise, one per tap)."""
         red = st.reduction
         assert red is not None
         inner = st.inner
+        if red.op == "sum" and red.point_loops and self.tidy(inner.lo) == self.tidy(inner.hi):
+            self.border(st, expr, d, self.tidy(inner.lo), self.tidy(inner.hi), simd_sum=True)
+            return
         self.emit(d, f"const int acc0 = {self.tidy(inner.lo)};")
         self.emit(d, "#pragma omp simd")
         self.emit(d, self.for_line(inner.var, "acc0", self.tidy(inner.hi)))
@@ -843,12 +849,20 @@ class StageWriter:
             self.border(st, expr, d + 1, f"max(lo_{v}, {b + 1})", f"hi_{v}")
         self.emit(d, "}")
 
-    def border(self, st: Stage, expr: Expr, d: int, lo: str, hi: str) -> None:
+    def border(
+        self, st: Stage, expr: Expr, d: int, lo: str, hi: str, simd_sum: bool = False
+    ) -> None:
+        """Each output point of ``lo..hi`` on its own: its window's taps, then the epilogue.
+        ``simd_sum``: the innermost window loop is a SIMD sum reduction (reassociated, as
+        ATen's vectorised sums are)."""
         red = st.reduction
         assert red is not None
         self.emit(d, self.for_line(st.inner.var, lo, hi) + " {")
         self.emit(d + 1, f"float a = {self.c_float(red.init)};")
-        self.open_loops(red.point_loops, d + 1)
+        self.open_loops(red.point_loops[:-1], d + 1)
+        if simd_sum:
+            self.emit(d + len(red.point_loops), "#pragma omp simd reduction(+:a)")
+        self.open_loops(red.point_loops[-1:], d + len(red.point_loops))
         d2 = d + 1 + len(red.point_loops)
         self.emit(d2, f"a = {self._accumulate(red.op, 'a', self.expr(red.body))};")
         self.close_loops(len(red.point_loops), d + 1)
