@@ -11,7 +11,12 @@ a hang costs that model only):
   ``min_size`` where larger; the segmentation models take 224 too);
 - the output (every tensor of a tuple or dict) against eager: max |y - ref| / max |ref|;
 - ``report().rows``: the number of nodes, of fallback nodes, and the fallbacks' ops and
-  reasons (most frequent first).
+  reasons (most frequent first);
+- latency at batch 1 (and at batch 8 where eager's batch-1 call takes under
+  ``BATCH8_UNDER_MS``): eager NCHW, eager channels_last and the middleware timed in the same
+  process by ``zoo.timed_blocks`` (each round every engine in a new seeded order, a block of
+  calls each with its first discarded; medians), in ``torch.inference_mode()``; the speed-up
+  is the faster eager layout's median over the middleware's (``--no-latency`` skips it).
 
 Results go to ``bench/results/coverage_cpu.json`` (``--out``) (one entry per model, merged with the
 entries already there, so a run over a few models updates their rows) and the table to
@@ -58,6 +63,10 @@ F64_FACTOR = 2.0
 # of 30-90M parameters already took 5-16 minutes (densenet161 962 s); the rest run under
 # ``--timeout`` and a model over it is listed as timed out.
 MAX_PARAMS_M = 300.0
+
+# Batch 8 is timed too where eager's batch-1 call is faster than this (the issue's "where the
+# model fits in a few seconds": eight of those calls per block and three engines).
+BATCH8_UNDER_MS = 60.0
 
 SEGMENTATION = (
     "fcn_resnet50",
@@ -183,8 +192,8 @@ def max_rel_err(got: Any, ref: Any) -> float:
     return worst
 
 
-def measure(name: str) -> dict[str, Any]:
-    """One model: build, optimize, compare, count (runs in the child process)."""
+def measure(name: str, latency: bool = True) -> dict[str, Any]:
+    """One model: build, optimize, compare, count, time (runs in the child process)."""
     import middleware
     from middleware.enums import RunsAs
 
@@ -214,7 +223,48 @@ def measure(name: str) -> dict[str, Any]:
     reasons = collections.Counter(reason_key(model, r.reason) for r in fb)
     row["reasons"] = reasons.most_common()
     row["notes"] = list(getattr(rep, "notes", ()))[:3]
+    if latency:
+        row["latency"] = {"1": time_engines(model, opt, x)}
+        if row["latency"]["1"]["eager"] < BATCH8_UNDER_MS:
+            x8 = torch.randn(8, 3, size, size, generator=torch.Generator().manual_seed(2))
+            opt8 = middleware.optimize(model, example_inputs=(x8,))
+            with torch.inference_mode():
+                err8 = max_rel_err(opt8(x8), model(x8))
+            row["latency"]["8"] = time_engines(model, opt8, x8)
+            row["max_rel_err_b8"] = err8
     return row
+
+
+def time_engines(model: nn.Module, opt: Any, x: torch.Tensor) -> dict[str, float]:
+    """Median ms of eager NCHW, eager channels_last and the middleware on ``x``, interleaved
+    (``zoo.timed_blocks``); rounds and block sized so that a model takes about 10-20 s."""
+    from zoo import timed_blocks
+
+    cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
+    x_cl = x.contiguous(memory_format=torch.channels_last)
+
+    def engine(m: Any, inp: torch.Tensor) -> Any:
+        def call() -> None:
+            with torch.inference_mode():
+                m(inp)
+
+        return call
+
+    fns = {"eager": engine(model, x), "eager_cl": engine(cl, x_cl), "middleware": engine(opt, x)}
+    t0 = time.perf_counter()
+    fns["eager"]()
+    one = time.perf_counter() - t0
+    block = 5 if one < 0.05 else (2 if one < 0.3 else 1)
+    repeat = max(3, min(9, int(4.0 / (3 * (block + 1) * max(one, 1e-4)))))
+    got = timed_blocks(fns, warmup=1, repeat=repeat, block=block, seed=0)
+    return {k: round(v, 3) for k, v in got.items()} | {"rounds": repeat, "block": block}
+
+
+def speedup(lat: dict[str, float] | None) -> float | None:
+    """The faster eager layout over the middleware (> 1: the middleware is faster)."""
+    if not lat:
+        return None
+    return min(lat["eager"], lat["eager_cl"]) / lat["middleware"]
 
 
 def measure_trace(name: str) -> dict[str, Any]:
@@ -251,8 +301,9 @@ def reason_key(model: nn.Module, reason: str) -> str:
     return re.sub(r"module '([^']+)'", kind, reason)[:160]
 
 
-def run_child(name: str, timeout: float) -> dict[str, Any]:
+def run_child(name: str, timeout: float, latency: bool = True) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name]
+    cmd += [] if latency else ["--no-latency"]
     t0 = time.perf_counter()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
@@ -310,16 +361,25 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         "nodes of `middleware.trace`'s graph, `--trace-only`). Written by "
         "`python bench/coverage.py`; each row from its model's latest run.",
         "",
-        "| model | input | nodes | fallbacks | % fallback | top reasons | output ok (rel. err) |",
-        "|---|---|---:|---:|---:|---|---|",
+        "",
+        "Latency: median ms at batch 1 of the faster eager layout (NCHW or channels_last) and "
+        "of the middleware, timed interleaved in the model's process; speed-up = eager / "
+        f"middleware (> 1: faster); batch 8 where eager's batch-1 call is under "
+        f"{BATCH8_UNDER_MS:g} ms.",
+        "",
+        "| model | input | nodes | fallbacks | % fallback | top reasons | output ok (rel. err) "
+        "| b1 eager ms | b1 middleware ms | b1 speed-up | b8 speed-up |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | - | - | - | - | skipped: {r['skipped']} | - |")
+            lines.append(
+                f"| {r['model']} | - | - | - | - | skipped: {r['skipped']} | - | - | - | - | - |"
+            )
             continue
         if "error" in r:
             err = r["error"].replace("|", "\\|")
-            lines.append(f"| {r['model']} | - | - | - | - | error: {err} | no |")
+            lines.append(f"| {r['model']} | - | - | - | - | error: {err} | no | - | - | - | - |")
             continue
         n, f = r["nodes"], r["fallbacks"]
         pct = 100.0 * f / n if n else 0.0
@@ -341,19 +401,37 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
                 else ""
             )
             ok = f"**no** ({err:.1e}{extra})"
+        lat = r.get("latency") or {}
+        b1 = lat.get("1")
+        times = (
+            f"{min(b1['eager'], b1['eager_cl']):.2f} | {b1['middleware']:.2f} | "
+            f"{speedup(b1):.2f}x | " + (f"{speedup(lat['8']):.2f}x" if "8" in lat else "-")
+            if b1
+            else "- | - | - | -"
+        )
         lines.append(
-            f"| {r['model']} | {r['input']} | {n} | {f} | {pct:.0f}% | {top or '-'} | {ok} |"
+            f"| {r['model']} | {r['input']} | {n} | {f} | {pct:.0f}% | {top or '-'} | {ok} | "
+            f"{times} |"
         )
     done = [r for r in rows if "nodes" in r]
     if done:
         zero = sum(1 for r in done if r["fallbacks"] == 0)
         ok = sum(1 for r in done if output_ok(r))
+        timed = [speedup((r.get("latency") or {}).get("1")) for r in done]
+        timed = [v for v in timed if v is not None]
         lines += [
             "",
             f"{len(done)} models measured: {zero} with no fallback node, {ok} equal to eager; "
             f"{sum(1 for r in rows if 'skipped' in r)} skipped, "
             f"{sum(1 for r in rows if 'error' in r)} failed.",
         ]
+        if timed:
+            geo = math.exp(sum(math.log(v) for v in timed) / len(timed))
+            lines.append(
+                f"Batch 1 timed on {len(timed)}: faster than the faster eager layout on "
+                f"{sum(1 for v in timed if v > 1)}, geometric mean {geo:.2f}x, slowest "
+                f"{min(timed):.2f}x."
+            )
     missing = sorted(set(all_models()) - {r["model"] for r in rows}, key=order_key)
     if missing:
         lines += ["", f"Not measured in this table ({len(missing)}): {', '.join(missing)}."]
@@ -367,15 +445,15 @@ def readme_table() -> str:
     traced, full = load(TRACE_JSON_PATH), load(JSON_PATH)
     lines = [
         "| model | traced nodes | fallbacks (trace) | plan fallbacks | output vs eager | "
-        "optimize s |",
-        "|---|---:|---:|---:|---|---:|",
+        "optimize s | b1 speed-up over eager | b8 speed-up |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for name in sorted(set(all_models()), key=order_key):
         t, f = traced.get(name, {}), full.get(name, {})
         if "skipped" in f:
             lines.append(
                 f"| {name} | {t.get('nodes', '-')} | {t.get('fallbacks', '-')} | - | "
-                f"skipped: {f['skipped']} | - |"
+                f"skipped: {f['skipped']} | - | - | - |"
             )
             continue
         if "error" in f:
@@ -393,9 +471,13 @@ def readme_table() -> str:
                 out += f" [{f['note']}]"
         else:
             plan, out = "-", "not run this session"
+        lat = f.get("latency") or {}
+        ups = [speedup(lat.get(b)) for b in ("1", "8")]
         lines.append(
             f"| {name} | {t.get('nodes', '-')} | {t.get('fallbacks', '-')} | {plan} | {out} | "
-            f"{f.get('optimize_s', '-')} |"
+            f"{f.get('optimize_s', '-')} | "
+            + " | ".join("-" if u is None else f"{u:.2f}x" for u in ups)
+            + " |"
         )
     return "\n".join(lines) + "\n"
 
@@ -419,6 +501,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-done", action="store_true", help="only models without a row yet")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per model")
     p.add_argument("--out", type=Path, default=None, help="results JSON (the table beside it, .md)")
+    p.add_argument("--no-latency", action="store_true", help="outputs and fallbacks only")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -427,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
     if args.child:
         sys.path.insert(0, str(ROOT))
-        print(json.dumps(measure(args.child)))
+        print(json.dumps(measure(args.child, latency=not args.no_latency)))
         return
     if args.readme:
         print(readme_table(), end="")
@@ -450,7 +533,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.path.insert(0, str(ROOT))
     rows = load(args.out)
     for name in names:
-        if args.skip_done and name in rows and "error" not in rows[name]:
+        have = rows.get(name, {})
+        if (
+            args.skip_done
+            and have
+            and "error" not in have
+            and (args.no_latency or args.trace_only or "latency" in have or "skipped" in have)
+        ):
             continue
         why = None if args.trace_only else skip_reason(name)  # a trace is cheap
         if why:
@@ -461,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             except Exception as e:  # noqa: BLE001 - one model's failure is its row
                 row = {"model": name, "error": f"{type(e).__name__}: {e}"[:300]}
         else:
-            row = run_child(name, args.timeout)
+            row = run_child(name, args.timeout, latency=not args.no_latency)
         rows[name] = row
         save(rows, args.out)
         brief = (
@@ -469,6 +558,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             or row.get("error")
             or (
                 f"{row['fallbacks']}/{row['nodes']} fallback, err {row['max_rel_err']}, "
+                f"b1 {speedup((row.get('latency') or {}).get('1')) or 0:.2f}x, "
                 f"{row.get('wall_s')} s"
             )
         )

@@ -100,6 +100,12 @@ NETWORKS: dict[str, tuple[Callable[[], nn.Module], int]] = {
     "inception_v3": (lambda: tvm.inception_v3(aux_logits=False, init_weights=False), 299),
     "shufflenet_v2_x1_0": (tvm.shufflenet_v2_x1_0, 224),
 }
+# Issue 15's transformers and ConvNeXt: not in the default run; give them with ``--nets``.
+# Their heads are zero-initialised (the output would be all zeros), so their weights are
+# re-initialised to keep the activations' variance (``coverage.variance_keeping``).
+TRANSFORMERS: dict[str, tuple[Callable[[], nn.Module], int]] = {
+    name: (getattr(tvm, name), 224) for name in ("vit_b_16", "swin_t", "convnext_tiny", "maxvit_t")
+}
 ENGINES = ("eager", "eager_cl", "compile_freeze", "ort", "openvino", "middleware")
 LABELS = {
     "eager": "eager",
@@ -145,6 +151,11 @@ def missing_packages(engine: str) -> list[str]:
 def make_model(net: str) -> tuple[nn.Module, int]:
     """The network with seeded random weights, in eval mode, and its input size."""
     torch.manual_seed(0)
+    if net in TRANSFORMERS:
+        from coverage import variance_keeping
+
+        make, size = TRANSFORMERS[net]
+        return variance_keeping(make()), size
     make, size = NETWORKS[net]
     return make().eval(), size
 
@@ -541,9 +552,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
     nets = [n.strip() for n in args.nets.split(",") if n.strip()]
-    unknown = [n for n in nets if n not in NETWORKS]
+    known = {**NETWORKS, **TRANSFORMERS}
+    unknown = [n for n in nets if n not in known]
     if unknown:
-        raise SystemExit(f"unknown network(s) {unknown}; choose from {', '.join(NETWORKS)}")
+        raise SystemExit(f"unknown network(s) {unknown}; choose from {', '.join(known)}")
     batches = [int(b) for b in str(args.batch).split(",")]
     if args.warm_child:
         child_main(args.warm_child, nets[0], batches[0], args.cache_dir)
