@@ -5,9 +5,11 @@ and the resampling ``interpolate`` (nearest and bilinear)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,7 @@ from .loops import (
     ParamVec,
     Window,
     call,
+    logical4,
     pair,
     window_out_size,
 )
@@ -187,14 +190,159 @@ def _interpolate(node: Node) -> Kernel:
     return interpolate
 
 
+def _axis_weights(node: Node, axis: int, size_in: int, size_out: int, one: float = 1.0) -> Any:
+    """``W[o, k]``: the weight of input index ``k`` in output index ``o`` along ``axis``
+    (2: h, 3: w), as ATen itself computes it: the node's own call on one-hot inputs (the hot
+    value ``one``; NumPy float32 array). The probe is an NCHW tensor (two channels, so no
+    kernel for channels_last is picked) whose other axis is 2 -> 4: the hot element sits at
+    index 0 there, which output 0 reads with weight exactly 1 and nothing reads by 0."""
+    a = node.attrs
+    shape = [size_in, 2, 2, 2]
+    shape[axis] = size_in
+    basis = torch.zeros(shape)
+    for k in range(size_in):
+        if axis == 2:
+            basis[k, 0, k, 0] = one
+        else:
+            basis[k, 0, 0, k] = one
+    size = scale = None
+    if a["size"] is not None:
+        size = (size_out, 4) if axis == 2 else (4, size_out)
+    else:
+        sf = a["scale_factor"]
+        sh, sw = (sf, sf) if isinstance(sf, (int, float)) else pair(sf)
+        scale = (float(sh), 2.0) if axis == 2 else (2.0, float(sw))
+    out = F.interpolate(
+        basis,
+        size=size,
+        scale_factor=scale,
+        mode=a["mode"],
+        align_corners=a["align_corners"],
+        recompute_scale_factor=a["recompute_scale_factor"],
+    )
+    if out.shape[axis] != size_out:
+        raise NotFusable(f"interpolate: axis {axis} resampled to {out.shape[axis]}, not {size_out}")
+    got = out[:, 0, :, 0] if axis == 2 else out[:, 0, 0, :]  # (k, o)
+    return got.T.contiguous().numpy()
+
+
+# The weight tables are C constants of n_in x n_out floats per axis: 512 -> 512 at most
+INTERPOLATE_TABLE_MAX = 1 << 18
+
+
+# (a, b, B): the first source index of output o is floor((a*o + b) / B), clamped at 0
+def _source_rule(mode: str, align: bool | None, n_in: int, n_out: int) -> tuple[int, int, int]:
+    if mode == "nearest":
+        return n_in, 0, n_out
+    if mode == "nearest-exact":
+        return 2 * n_in, n_in, 2 * n_out
+    if align:
+        return (n_in - 1, 0, n_out - 1) if n_out > 1 else (0, 0, 1)
+    return 2 * n_in, n_in - n_out, 2 * n_out
+
+
+def _interpolate_window(node: Node, dim: int, n_in: int, n_out: int) -> tuple[Window, Any]:
+    """The window of one axis and its weight table ``W[o, k]`` (module doc of
+    ``interpolate_loops``); NotFusable where ATen's float index arithmetic departs from the
+    exact rule (a scale factor that is not the sizes' ratio, a size past float precision)."""
+    mode = node.attrs["mode"]
+    if n_in * n_out > INTERPOLATE_TABLE_MAX:
+        raise NotFusable(
+            f"interpolate {n_in} -> {n_out}: a weight table over {INTERPOLATE_TABLE_MAX}"
+        )
+    w = _axis_weights(node, dim, n_in, n_out)
+    taps = 1 if mode.startswith("nearest") else 2
+    a, b, den = _source_rule(mode, node.attrs["align_corners"], n_in, n_out)
+    read: set[int] = set()
+    for o in range(n_out):
+        first = max((a * o + b) // den, 0)
+        nz = [int(k) for k in w[o].nonzero()[0]]
+        want = list(range(first, min(first + taps, n_in)))
+        if not nz or nz[0] != first or not set(nz) <= set(want):
+            raise NotFusable(
+                f"interpolate ({mode}): output {o} of {n_out} reads {nz}, not the rule's {want}"
+            )
+        read.update(want)
+    # an infinity ATen multiplies by a zero weight is NaN: it must meet a zero weight here
+    # at the same outputs (ATen reads the last index twice at the border, the second time
+    # with weight 0 where the source is exactly that index: align_corners=True, one row)
+    nan_aten = np.isnan(_axis_weights(node, dim, n_in, n_out, math.inf))
+    nan_here = np.zeros_like(nan_aten)
+    for o in range(n_out):
+        first = max((a * o + b) // den, 0)
+        for k in range(first, min(first + taps, n_in)):
+            nan_here[o, k] = w[o, k] == 0
+    if not np.array_equal(nan_aten, nan_here):
+        raise NotFusable(
+            f"interpolate ({mode}) {n_in} -> {n_out}: ATen multiplies an input by a zero "
+            "weight where this window does not (an infinity there is NaN in ATen)"
+        )
+    if len(read) < n_in:
+        # the schedule scans each input index's outputs as one range: an index no output
+        # reads (downsampling past the taps) would be given its neighbour's
+        raise NotFusable(f"interpolate ({mode}) {n_in} -> {n_out} skips input indices")
+    # k in [f, f + taps) for f = floor((a*o + b) / B); below 0 ATen clamps the source to 0
+    # and still reads taps 0 and 1 (a NaN there reaches the output through a zero weight)
+    cons = f"{den}*k <= {a}*o + {b} + {den * (taps - 1)} and {den}*k + {den} > {a}*o + {b}"
+    if taps > 1:
+        cons = f"(({cons}) or ({a}*o + {b} < 0 and k <= {taps - 1}))"
+    return Window(dim, 0, 1, 0, cons), w
+
+
+def interpolate_loops(graph: Graph, node: Node) -> OpLoops:
+    """nearest, nearest-exact and bilinear resampling as a sum window per axis: output
+    ``(h, w)`` reads input rows ``k_h`` and columns ``k_w`` of ATen's own source indices
+    (one tap, or two: the row and the next, clamped at the borders), each weighted by the
+    weight ATen gives it (tables ``W[o, k]`` from the node's own call on one-hot inputs).
+    Nearest sums from -0.0, so a copied -0.0 keeps its sign."""
+    x = node.inputs[0]
+    mode = node.attrs["mode"]
+    if mode not in ("nearest", "nearest-exact", "bilinear"):
+        raise NotFusable(f"interpolate mode {mode!r} has no loop semantics")
+    in4, out4 = logical4(graph.values[x]), logical4(graph.values[node.outputs[0]])
+    wins, weights = [], []
+    for dim in (2, 3):
+        win, w = _interpolate_window(node, dim, in4[dim], out4[dim])
+        wins.append(win)
+        weights.append(w)
+    body: Expr = _window_load_of(x, wins)
+    if not mode.startswith("nearest"):
+        for win, w in zip(wins, weights, strict=True):
+            o = loops.DIMS[win.dim]
+            # stored W[k, o]: the output loop, innermost, reads the table contiguously
+            table = ParamVec(
+                f"{node.name}_w{o}",
+                tuple(w.T.reshape(-1).tolist()),
+                f"{win.var}*{w.shape[0]} + {o}",
+            )
+            body = call("mul", body, table)
+    return OpLoops(
+        "reduce",
+        Acc(),
+        body=body,
+        reduce="sum",
+        init=-0.0 if mode.startswith("nearest") else 0.0,
+        windows=tuple(wins),
+    )
+
+
+def _window_load_of(x: str, wins: Sequence[Window]) -> Load:
+    idx = list(loops.DIMS)
+    for win in wins:
+        idx[win.dim] = win.var
+    return Load(x, tuple(idx))  # type: ignore[arg-type]
+
+
 # nearest, nearest-exact, bilinear, bicubic (antialias off) on 4-d values: each output
-# element reads a few input elements of its own sample and channel
+# element reads a few input elements of its own sample and channel. Generated (loop
+# semantics) for nearest, nearest-exact and bilinear where ATen's index arithmetic is exact.
 register(
     OpDef(
         "interpolate",
         Bound.IO,
         _interpolate,
         flops_per_elem=4.0,
+        loops=interpolate_loops,
         per_sample=True,
     )
 )

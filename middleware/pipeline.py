@@ -230,6 +230,9 @@ def compile_graph(
     # a backend registered before passes_off joined the interface turns nothing off
     passes_off = getattr(backend, "passes_off", None)
     off = passes_off(options) if passes_off is not None else ()
+    if not options.fuse:
+        # its pieces fuse or are slower than the one ATen call they replace
+        off = (*off, "decompose_layer_norm")
     pass_options = (
         dataclasses.replace(
             options, disable_passes=tuple(dict.fromkeys((*options.disable_passes, *off)))

@@ -170,6 +170,17 @@ def test_only_token_sequences_are_decomposed():
     assert len([n for n in kept.nodes() if n.op == "layer_norm"]) == 3
 
 
+def test_without_fusion_the_norm_stays_one_call():
+    """fuse=False: the pieces would run as seven framework calls instead of one."""
+    model = AddNorm((32,), "wb", 1e-5, 2).eval()
+    x = torch.randn(2, 9, 32)
+    opt = middleware.optimize(model, example_inputs=(x, x), fuse=False)
+    assert [r.op for r in opt.report().rows].count("layer_norm") == 1
+    with torch.no_grad():
+        for a, b in zip(opt(x, x), model(x, x), strict=True):
+            _close(a, b)
+
+
 def test_training_keeps_atens_layer_norm():
     """A mean over the last dim has no backward rule: training plans keep the call, and the
     gradients are PyTorch's."""
