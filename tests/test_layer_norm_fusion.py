@@ -69,8 +69,16 @@ def test_add_layer_norm_is_one_generated_group(n, t, c, two_dims, affine, eps, o
     with torch.no_grad():
         want = model(x, r)
         got = opt(x, r)
-    for a, b in zip(got, want, strict=True):
-        _close(a, b, tol=2e-5 if offset < 100 else 1e-4)
+    _close(got[0], want[0])
+    if offset < 100:
+        _close(got[1], want[1])
+    else:
+        # rows of a large mean and a small spread are ill-conditioned for float32: at most
+        # twice as far from the float64 result as ATen's LayerNorm is
+        with torch.no_grad():
+            exact = model.double()(x.double(), r.double())[1]
+        ours, atens = (float((y.double() - exact).abs().max()) for y in (got[1], want[1]))
+        assert ours <= 2 * atens + 1e-5 * float(exact.abs().max()), (ours, atens)
     rows = opt.report().rows
     assert not [r for r in rows if r.op == "layer_norm"], "the norm was not decomposed"
     norm = [r for r in rows if r.op in ("mean", "sub", "rsqrt")]
@@ -153,19 +161,14 @@ class Norms(nn.Module):
 
 
 def test_only_token_sequences_are_decomposed():
-    """Rank 3 is decomposed; a rank-4 map (Swin's, ConvNeXt's: the layout pass would put
-    conversions between the pieces) and a rank-2 batch stay ATen's LayerNorm."""
+    """Rank 3 is decomposed; a rank-4 token map (Swin's, ConvNeXt's: measured slower
+    decomposed) and a rank-2 batch (its last dim is no logical h/w) stay ATen's."""
     graph = middleware.trace(Norms().eval(), (torch.randn(2, 6, 8),))
     passed = run_passes(graph, Options())
     ln = [n for n in passed.nodes() if n.op == "layer_norm"]
     assert sorted(n.source for n in ln) == ["map", "vec"]
-    assert {n.op for n in passed.nodes() if n.source == "seq"} == {
-        "mean",
-        "sub",
-        "mul",
-        "add",
-        "rsqrt",
-    }
+    ops = {n.op for n in passed.nodes() if n.source == "seq"}
+    assert ops == {"mean", "sub", "mul", "add", "rsqrt"}, ops
     kept = run_passes(graph, Options(disable_passes=("decompose_layer_norm",)))
     assert len([n for n in kept.nodes() if n.op == "layer_norm"]) == 3
 

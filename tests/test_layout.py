@@ -334,3 +334,43 @@ def test_auto_keeps_the_input_order_without_image_ops():
     assert "to_layout" not in _ops(g) and all(t.layout == "nchw" for t in g.values.values())
     h = assign_layout(_small_net())
     assert "to_layout" in _ops(h)
+
+
+class TokenMapBlock(nn.Module):
+    """ConvNeXt's block: depthwise conv, permute to (N, H, W, C), LayerNorm, two linear
+    layers with GELU, a layer scale, permute back, residual add."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.fc1, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.scale = nn.Parameter(torch.rand(c) + 0.5)
+
+    def forward(self, x):
+        y = self.dw(x).permute(0, 2, 3, 1)
+        y = self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(y)))) * self.scale
+        return torch.relu(x + y.permute(0, 3, 1, 2))
+
+
+def test_a_token_map_between_permutes_stays_row_major_without_conversions():
+    """A channels_last map permuted to (N, H, W, C) is its row-major storage: the permute
+    is a free view declared "nchw", what reads it (the norm, elementwise ops) keeps that
+    order, and the permute back is channels_last again. No conversion anywhere; before,
+    the map was converted to NCHW ahead of the permute and the permuted result back to
+    channels_last after it (two copies per block)."""
+    torch.manual_seed(0)
+    model = TokenMapBlock().eval()
+    # channels_last in, channels_last out: no conversion at the graph's boundary either
+    x = torch.randn(2, 8, 9, 11).contiguous(memory_format=torch.channels_last)
+    g = middleware.trace(model, x)
+    h = assign_layout(g, layout="nhwc")
+    assert [n for n in h.nodes() if n.op == "to_layout"] == []
+    first, back = (n for n in h.nodes() if n.op == "permute")
+    assert h.values[first.outputs[0]].layout == "nchw"
+    assert h.values[back.outputs[0]].layout == "nhwc"
+    assert layout_mismatches(h, x) == []
+    _close(h.evaluate(x), g.evaluate(x), 1e-5)
+    opt = middleware.optimize(model, example_inputs=(x,))
+    with torch.no_grad():
+        _close(opt(x), model(x), 1e-4)

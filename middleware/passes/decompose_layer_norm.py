@@ -19,9 +19,9 @@ def normalized_dims(graph: Graph, node: Node) -> tuple[int, ...] | None:
     (they sit in the logical ``h``/``w`` dims a generated reduction runs over); None for
     any other node.
 
-    Rank-4 values stay ATen's call: Swin's and ConvNeXt's ``(N, H, W, C)`` maps are
-    permuted channels-last maps, and the layout pass gives the decomposed ops layouts of
-    their own, with a conversion between each (swin_t measured 4% slower decomposed)."""
+    Rank-4 token maps (Swin's, ConvNeXt's ``(N, H, W, C)``) stay ATen's call: decomposed
+    (and kept row-major by the layout pass, no conversions) convnext_tiny measured 3-4%
+    slower at batch 1 and swin_t 0.98-1.02x, against ATen's norm in the same plan."""
     xt = graph.values[node.inputs[0]]
     k = len(tuple(node.attrs["normalized_shape"]))
     if xt.dtype != "float32" or xt.rank != 3 or not 0 < k < xt.rank:
@@ -43,8 +43,8 @@ def decompose_layer_norm(graph: Graph) -> Graph:
     ("weight", "bias", "weight_bias" or "") attrs, the weight and bias as the inputs after
     the value.
     Guarantees: the same outputs within float rounding (the biased variance of the centred
-    values, as ATen's kernel computes it, in two passes); a ``layer_norm`` of another rank
-    than 3 or dtype than float32 stays as it is. Every new node carries
+    values, as ATen's kernel computes it, in two passes); a ``layer_norm`` of a rank other
+    than 3, or a dtype other than float32, stays as it is. Every new node carries
     the LayerNorm's ``source``.
     """
     rw = Rewrite(graph)

@@ -253,12 +253,48 @@ class _Builder:
                    TensorType((n, c, h, w), dt, "nhwc"), last.source,
                    dims=(0, 3, 1, 2))  # fmt: skip
 
+    def _free_permute(self, n: Node) -> str | None:
+        """The layout of a 4-d permute's output where it is a dense view of its input as
+        declared: (0, 2, 3, 1) of a channels_last map is its row-major (N, H, W, C) (Swin's
+        and ConvNeXt's token maps), (0, 3, 1, 2) of a row-major value a channels_last map.
+        None: any other permute (it reads "nchw")."""
+        if n.op != "permute":
+            return None
+        t = self.values[self.current(n.inputs[0])]
+        dims = tuple(int(d) for d in n.attrs["dims"])
+        if t.rank != 4 or orders_coincide(t):
+            return None
+        if dims == (0, 2, 3, 1) and t.layout == "nhwc":
+            return "nchw"
+        if dims == (0, 3, 1, 2) and t.layout == "nchw":
+            return "nhwc"
+        return None
+
+    def _inputs_layout(self, n: Node, mode: str) -> str:
+        """An op that keeps its inputs' memory order and is not an image op (elementwise
+        ops, a mean): "nchw" where every 4-d data input it reads is declared "nchw" (the
+        permuted token maps above and what reads them), else the network layout."""
+        op = get_op(n.op)
+        if op.image_op or mode == "nchw":
+            return mode
+        seen = {
+            self.values[self.current(v)].layout
+            for i, v in enumerate(n.inputs)
+            if i not in op.weight_inputs
+            and self.values[self.current(v)].rank == 4
+            and not orders_coincide(self.values[self.current(v)])
+        }
+        return "nchw" if seen == {"nchw"} else mode
+
     def add(self, n: Node, mode: str) -> None:
+        free = self._free_permute(n)
         if n.op == "to_layout":
             want_in: str | None = None
             want_out = str(n.attrs["layout"])
+        elif free is not None:
+            want_in, want_out = None, free
         elif get_op(n.op).keeps_layout(n.attrs):
-            want_in = want_out = mode
+            want_in = want_out = self._inputs_layout(n, mode)
         else:
             want_in = want_out = "nchw"
         weights = get_op(n.op).weight_inputs
