@@ -345,6 +345,38 @@ def _hardsigmoid_(x: torch.Tensor) -> torch.Tensor:
     return F.hardsigmoid(x, inplace=True)
 
 
+# sqrt and rsqrt (LayerNorm's statistics, ``F.normalize``-style code): elementwise, their
+# backward from the output as in PyTorch's derivatives (sqrt: gy / (2 y); rsqrt:
+# -0.5 gy y^3). rsqrt is 1 / sqrt(x), as ATen's vectorised kernel computes it.
+def _sqrt_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("sqrt", x)
+
+
+def _rsqrt_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("div", Const(1.0), call("sqrt", x))
+
+
+def _sqrt_grad(attrs: Mapping[str, Any], x: Expr, gy: Expr) -> Expr:
+    return call("div", gy, _mul(_c(2.0), call("sqrt", x)))
+
+
+def _rsqrt_grad(attrs: Mapping[str, Any], x: Expr, gy: Expr) -> Expr:
+    y = _rsqrt_expr(attrs, x)
+    return _mul(_c(-0.5), gy, _mul(y, y, y))
+
+
+def _sqrt_backward(gy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return gy / (2 * y)
+
+
+def _rsqrt_backward(gy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return -0.5 * gy * y.pow(3)
+
+
+_SQRT_GRAD = PointwiseGrad(_sqrt_grad, _of_output(torch.sqrt, _sqrt_backward), 3.0)
+_RSQRT_GRAD = PointwiseGrad(_rsqrt_grad, _of_output(torch.rsqrt, _rsqrt_backward), 5.0)
+
+
 # (name, reference, FLOPs per element, scalar semantics, in-place form, out= form,
 #  oneDNN post-op, backward)
 _SIGMOID_GRAD = PointwiseGrad(_sigmoid_grad, _of_output(torch.sigmoid, _ATEN.sigmoid_backward), 7.0)
@@ -385,6 +417,8 @@ for _name, _fn, _flops, _expr, _inplace, _out, _onednn, _grad in (
         "hardsigmoid",
         _HARDSIGMOID_GRAD,
     ),
+    ("sqrt", torch.sqrt, 2.0, _sqrt_expr, torch.sqrt_, torch.sqrt, None, _SQRT_GRAD),
+    ("rsqrt", torch.rsqrt, 2.0, _rsqrt_expr, torch.rsqrt_, torch.rsqrt, None, _RSQRT_GRAD),
 ):
     register(
         OpDef(
@@ -396,66 +430,7 @@ for _name, _fn, _flops, _expr, _inplace, _out, _onednn, _grad in (
             pointwise=_expr,
             inplace=_inplace_of(_inplace),
             out=_unary_out(_out),
-            post_op=VendorPostOp(_onednn),
-            pointwise_grad=_grad,
-        )
-    )
-
-
-# sqrt and rsqrt (LayerNorm's statistics, ``F.normalize``-style code): elementwise, their
-# backward from the output as in PyTorch's derivatives (sqrt: gy / (2 y); rsqrt:
-# -0.5 gy y^3). rsqrt is 1 / sqrt(x), as ATen's vectorised kernel computes it.
-def _sqrt_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
-    return call("sqrt", x)
-
-
-def _rsqrt_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
-    return call("div", Const(1.0), call("sqrt", x))
-
-
-def _sqrt_grad(attrs: Mapping[str, Any], x: Expr, gy: Expr) -> Expr:
-    return call("div", gy, _mul(_c(2.0), call("sqrt", x)))
-
-
-def _rsqrt_grad(attrs: Mapping[str, Any], x: Expr, gy: Expr) -> Expr:
-    y = _rsqrt_expr(attrs, x)
-    return _mul(_c(-0.5), gy, _mul(y, y, y))
-
-
-def _sqrt_backward(gy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return gy / (2 * y)
-
-
-def _rsqrt_backward(gy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return -0.5 * gy * y.pow(3)
-
-
-for _name, _fn, _expr, _inplace, _grad in (
-    (
-        "sqrt",
-        torch.sqrt,
-        _sqrt_expr,
-        torch.sqrt_,
-        PointwiseGrad(_sqrt_grad, _of_output(torch.sqrt, _sqrt_backward), 3.0),
-    ),
-    (
-        "rsqrt",
-        torch.rsqrt,
-        _rsqrt_expr,
-        torch.rsqrt_,
-        PointwiseGrad(_rsqrt_grad, _of_output(torch.rsqrt, _rsqrt_backward), 5.0),
-    ),
-):
-    register(
-        OpDef(
-            _name,
-            Bound.IO,
-            _unary(_fn),
-            elementwise=True,
-            flops_per_elem=2.0,
-            pointwise=_expr,
-            inplace=_inplace_of(_inplace),
-            out=_unary_out(_fn),
+            post_op=VendorPostOp(_onednn) if _onednn else None,
             pointwise_grad=_grad,
         )
     )
