@@ -854,11 +854,14 @@ class StageWriter:
     ) -> None:
         """Each output point of ``lo..hi`` on its own: its window's taps, then the epilogue.
         ``simd_sum``: the innermost window loop is a SIMD sum reduction (reassociated, as
-        ATen's vectorised sums are)."""
+        ATen's vectorised sums are) into a double: the row sums of a LayerNorm over two
+        dims add up rows of large partial sums, which in float drifted to 5x ATen's
+        (cascade-summed) error from the float64 result on rows of a large mean."""
         red = st.reduction
         assert red is not None
         self.emit(d, self.for_line(st.inner.var, lo, hi) + " {")
-        self.emit(d + 1, f"float a = {self.c_float(red.init)};")
+        acc_type = "double" if simd_sum else "float"
+        self.emit(d + 1, f"{acc_type} a = {self.c_float(red.init)};")
         self.open_loops(red.point_loops[:-1], d + 1)
         if simd_sum:
             self.emit(d + len(red.point_loops), "#pragma omp simd reduction(+:a)")
