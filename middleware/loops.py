@@ -383,7 +383,8 @@ def _pool_windows(graph: Graph, node: Node, dilation: tuple[int, int]) -> tuple[
     return tuple(wins)
 
 
-def _window_load(x: str, windows: Sequence[Window]) -> Load:
+def window_load(x: str, windows: Sequence[Window]) -> Load:
+    """The load of ``x`` at the output point with each window's input index in its dim."""
     idx = list(DIMS)
     for win in windows:
         idx[win.dim] = win.input_index()
@@ -395,7 +396,7 @@ def max_pool_loops(graph: Graph, node: Node) -> OpLoops:
     return OpLoops(
         "reduce",
         Acc(),
-        body=_window_load(node.inputs[0], wins),
+        body=window_load(node.inputs[0], wins),
         reduce="max",
         init=-math.inf,
         windows=wins,
@@ -412,7 +413,7 @@ def avg_pool_loops(graph: Graph, node: Node) -> OpLoops:
     return OpLoops(
         "reduce",
         Acc(),
-        body=_window_load(node.inputs[0], wins),
+        body=window_load(node.inputs[0], wins),
         reduce="sum",
         init=0.0,
         windows=wins,
@@ -433,7 +434,7 @@ def adaptive_max_pool_loops(graph: Graph, node: Node) -> OpLoops:
     x = node.inputs[0]
     wins = _adaptive_windows(logical4(graph.values[x]), _out4(graph, node))
     return OpLoops(
-        "reduce", Acc(), body=_window_load(x, wins), reduce="max", init=-math.inf, windows=wins
+        "reduce", Acc(), body=window_load(x, wins), reduce="max", init=-math.inf, windows=wins
     )
 
 
@@ -441,7 +442,7 @@ def adaptive_avg_pool_loops(graph: Graph, node: Node) -> OpLoops:
     x = node.inputs[0]
     wins = _adaptive_windows(logical4(graph.values[x]), _out4(graph, node))
     return OpLoops(
-        "reduce", Acc(), body=_window_load(x, wins), reduce="sum", windows=wins, divisor="valid"
+        "reduce", Acc(), body=window_load(x, wins), reduce="sum", windows=wins, divisor="valid"
     )
 
 
@@ -462,7 +463,7 @@ def mean_loops(graph: Graph, node: Node) -> OpLoops:
         raise NotFusable(f"mean over dims {dims} of a rank {xt.rank} value moves its output dims")
     wins = _adaptive_windows(in4, want)
     return OpLoops(
-        "reduce", Acc(), body=_window_load(x, wins), reduce="sum", windows=wins, divisor="valid"
+        "reduce", Acc(), body=window_load(x, wins), reduce="sum", windows=wins, divisor="valid"
     )
 
 
@@ -493,7 +494,7 @@ def depthwise_conv2d_loops(graph: Graph, node: Node) -> OpLoops:
     weights = np.asarray(graph.params[w], dtype=np.float32).reshape(-1)
     body = call(
         "mul",
-        _window_load(x, wins),
+        window_load(x, wins),
         ParamVec(f"{node.name}_weight", tuple(weights.tolist()), f"c*{kh * kw} + k_h*{kw} + k_w"),
     )
     expr: Expr = Acc()

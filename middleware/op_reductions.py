@@ -29,6 +29,7 @@ from .loops import (
     call,
     logical4,
     pair,
+    window_load,
     window_out_size,
 )
 from .op_registry import (
@@ -253,6 +254,11 @@ def _interpolate_window(node: Node, dim: int, n_in: int, n_out: int) -> tuple[Wi
     w = _axis_weights(node, dim, n_in, n_out)
     taps = 1 if mode.startswith("nearest") else 2
     a, b, den = _source_rule(mode, node.attrs["align_corners"], n_in, n_out)
+    # an infinity ATen multiplies by a zero weight is NaN: it must meet a zero weight here
+    # at the same outputs (ATen reads the last index twice at the border, the second time
+    # with weight 0 where the source is exactly that index: align_corners=True, one row)
+    nan_aten = np.isnan(_axis_weights(node, dim, n_in, n_out, math.inf))
+    nan_here = np.zeros_like(nan_aten)
     read: set[int] = set()
     for o in range(n_out):
         first = max((a * o + b) // den, 0)
@@ -263,15 +269,7 @@ def _interpolate_window(node: Node, dim: int, n_in: int, n_out: int) -> tuple[Wi
                 f"interpolate ({mode}): output {o} of {n_out} reads {nz}, not the rule's {want}"
             )
         read.update(want)
-    # an infinity ATen multiplies by a zero weight is NaN: it must meet a zero weight here
-    # at the same outputs (ATen reads the last index twice at the border, the second time
-    # with weight 0 where the source is exactly that index: align_corners=True, one row)
-    nan_aten = np.isnan(_axis_weights(node, dim, n_in, n_out, math.inf))
-    nan_here = np.zeros_like(nan_aten)
-    for o in range(n_out):
-        first = max((a * o + b) // den, 0)
-        for k in range(first, min(first + taps, n_in)):
-            nan_here[o, k] = w[o, k] == 0
+        nan_here[o, want] = w[o, want] == 0
     if not np.array_equal(nan_aten, nan_here):
         raise NotFusable(
             f"interpolate ({mode}) {n_in} -> {n_out}: ATen multiplies an input by a zero "
@@ -305,7 +303,7 @@ def interpolate_loops(graph: Graph, node: Node) -> OpLoops:
         win, w = _interpolate_window(node, dim, in4[dim], out4[dim])
         wins.append(win)
         weights.append(w)
-    body: Expr = _window_load_of(x, wins)
+    body: Expr = window_load(x, wins)
     if not mode.startswith("nearest"):
         for win, w in zip(wins, weights, strict=True):
             o = loops.DIMS[win.dim]
@@ -324,13 +322,6 @@ def interpolate_loops(graph: Graph, node: Node) -> OpLoops:
         init=-0.0 if mode.startswith("nearest") else 0.0,
         windows=tuple(wins),
     )
-
-
-def _window_load_of(x: str, wins: Sequence[Window]) -> Load:
-    idx = list(loops.DIMS)
-    for win in wins:
-        idx[win.dim] = win.var
-    return Load(x, tuple(idx))  # type: ignore[arg-type]
 
 
 # nearest, nearest-exact, bilinear, bicubic (antialias off) on 4-d values: each output

@@ -277,13 +277,12 @@ class _Builder:
         op = get_op(n.op)
         if op.image_op or mode == "nchw":
             return mode
-        seen = {
-            self.values[self.current(v)].layout
+        data = [
+            self.values[self.current(v)]
             for i, v in enumerate(n.inputs)
             if i not in op.weight_inputs
-            and self.values[self.current(v)].rank == 4
-            and not orders_coincide(self.values[self.current(v)])
-        }
+        ]
+        seen = {t.layout for t in data if t.rank == 4 and not orders_coincide(t)}
         return "nchw" if seen == {"nchw"} else mode
 
     def add(self, n: Node, mode: str) -> None:
