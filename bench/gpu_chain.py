@@ -13,10 +13,14 @@ interleaved round by round):
   caller);
 - ``middleware_default``: ``middleware.optimize(model, device="cuda")`` (the default
   ``cuda_graphs="auto"``: whichever of the two measured faster at build time);
-- ``mw_kernel`` / ``mw_kernel_cl``: the group's generated kernel (its schedule, one thread
-  per output) called directly on the NCHW / channels_last graph (without the plan's
-  Python). (The shared-memory tiled variant, ``mw_kernel*_flat`` being the flat one in
-  earlier results, was removed: it measured slower than the flat kernels.)
+- ``middleware_cl``: the same on channels_last input and model, step by step;
+- ``middleware_flat``: step by step with the window kernel in its flat form (one thread
+  per output, ``render.TILED = False``) instead of shared-memory tiles;
+- ``mw_kernel`` / ``mw_kernel_cl``: the group's generated kernel (shared-memory tiles,
+  ``backends/cuda/tiles.py``) called directly on the NCHW / channels_last graph (without
+  the plan's Python); ``mw_flat`` / ``mw_flat_cl`` the flat form. (Session 6's tiled
+  variant, the CPU schedule's tiles one per thread, measured slower than the flat form and
+  was removed; the tiles of ``tiles.py`` are a block's, loaded cooperatively.)
 
 Effective bandwidth = (input bytes + output bytes) / time; the copy bandwidth counts the
 bytes read and written by ``dst.copy_(src)`` on a 1 GiB tensor. Results go to
@@ -26,6 +30,7 @@ bytes read and written by ``dst.copy_(src)`` on a 1 GiB tensor. Results go to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -63,9 +68,31 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeat: int = 20) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+@contextlib.contextmanager
+def tiled(flag: bool):
+    """Render window kernels in the shared-memory tiled form (``render.TILED``) or flat."""
+    from middleware.backends.cuda import render
+
+    old = render.TILED
+    render.TILED = flag
+    try:
+        yield
+    finally:
+        render.TILED = old
+
+
 def _kernel_modes(model: nn.Module, x: torch.Tensor, cache: Path) -> dict:
-    """The generated kernel of the chain's group (its schedule rendered one thread per
-    output), NCHW and channels_last, called directly."""
+    """The generated kernel of the chain's group, NCHW and channels_last, called directly:
+    ``mw_kernel*`` the default (shared-memory tiles), ``mw_flat*`` one thread per output."""
+    out = {}
+    for flag in (True, False):
+        with tiled(flag):
+            for k, fn in _kernels(model, x, cache).items():
+                out[k if flag else k.replace("mw_kernel", "mw_flat")] = fn
+    return out
+
+
+def _kernels(model: nn.Module, x: torch.Tensor, cache: Path) -> dict:
     import middleware
     from middleware.backends.cuda.kernel import compile_schedule
     from middleware.graph import TensorType
@@ -160,6 +187,25 @@ def main(argv: list[str] | None = None) -> int:
             info["default_notes"] = list(auto.report().notes)
             info["default_chose"] = getattr(auto.plan, "chosen", None)
             fns["middleware_default"] = lambda: auto(x)
+            opt_cl = middleware.optimize(
+                model_cl,
+                device="cuda",
+                example_inputs=(x_cl,),
+                cache_dir=cache,
+                cuda_graphs=False,
+            )
+            torch.testing.assert_close(opt_cl(x_cl), model(x), rtol=1e-5, atol=1e-5)
+            fns["middleware_cl"] = lambda: opt_cl(x_cl)
+            with tiled(False):  # the flat kernel (one thread per output) through optimize()
+                flat = middleware.optimize(
+                    model,
+                    device="cuda",
+                    example_inputs=(x,),
+                    cache_dir=cache,
+                    cuda_graphs=False,
+                )
+            torch.testing.assert_close(flat(x), model(x), rtol=1e-5, atol=1e-5)
+            fns["middleware_flat"] = lambda: flat(x)
         except Exception as exc:  # noqa: BLE001
             info["middleware_error"] = f"{type(exc).__name__}: {exc}"[:4000]
         try:

@@ -81,11 +81,12 @@ def test_cache_key_holds_the_architecture(cache_dir):
 
 
 def test_generated_source_is_sync_free_and_coalesced(monkeypatch):
-    """No barriers or shared memory; each output is walked in its memory order (the
-    contiguous dim is the fastest-varying index of consecutive threads)."""
+    """The flat form: no barriers or shared memory; each output is walked in its memory
+    order (the contiguous dim is the fastest-varying index of consecutive threads)."""
     from middleware.backends.cuda import render
 
     monkeypatch.setattr(render, "ILP", 2)  # the two-element form (gpu_diag's variant)
+    monkeypatch.setattr(render, "TILED", False)  # the window's shared-memory form off
     for layout, inner in (("nchw", 3), ("nhwc", 1)):
         graph, names = CASES["bn_relu_maxpool"](layout)
         src = render_schedule(schedule_of(graph, names), FAKE_GPU).source

@@ -3,8 +3,10 @@
 // Compile a generated .cu as C++ with `g++ -x c++ -include emulate.h -DMW_EMULATE`: the
 // CUDA qualifiers become nothing, blockIdx/threadIdx/blockDim/gridDim become globals, and
 // mw_run_grid() runs a launch's grid block by block and thread by thread. That is exact
-// for kernels whose threads never wait for each other, which is what the renderer
-// generates: __syncthreads and shared memory are refused at compile time here.
+// for kernels whose threads never wait for each other: __syncthreads and __shared__ are
+// refused at compile time here. Tiled kernels (shared memory and barriers) spell them
+// MW_SHARED, MW_SYNC and MW_THREADS, which under MW_EMULATE run each phase between two
+// barriers as a loop over the block's threads (mw_run_blocks): exact as well.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -38,6 +40,18 @@ template <typename T> inline T __ldg(const T* p) { return *p; }
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+
+// Tiled kernels (kernel_tiled.cu.j2) loop over their block's threads themselves, one loop
+// per phase between barriers (MW_THREADS): the grid runs block by block, each block once.
+template <typename F> inline void mw_run_blocks(unsigned grid, unsigned block, F&& body) {
+  gridDim.x = grid;
+  blockDim.x = block;
+  for (unsigned b = 0; b < grid; ++b) {
+    blockIdx.x = b;
+    threadIdx.x = 0;
+    body();
+  }
+}
 
 template <typename F> inline void mw_run_grid(unsigned grid, unsigned block, F&& body) {
   gridDim.x = grid;

@@ -35,6 +35,7 @@ from ...loops import DIMS, Acc, Load, ParamVec, leaves
 from ...ops import get_op
 from ...passes.schedule_ir import ORDER, Buffer, Loop, Schedule, Stage
 from .funcs import HELPERS, cuda_expr, flt, index_c
+from .tiles import TILE, TilePlan, tile_plan
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -57,6 +58,9 @@ VECTOR = 4
 # bandwidth with one element per iteration and 68-75% with two, in both layouts (BN -> ReLU
 # alone: 84-86% either way): one it is (two stays selectable for the variants run).
 ILP = 1
+# Window schedules over a group input's pointwise prologue render as shared-memory tiles
+# (``tiles.py``); False keeps every schedule in the flat form (for the benchmark's A/B).
+TILED = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,6 +356,167 @@ def _param_text(p: ParamVec, per_line: int = 6) -> str:
     return ",\n".join("  " + r for r in rows)
 
 
+class _TilePrinter(_Printer):
+    """The output stage of a tiled kernel: a load of ``tiles.TILE`` reads the shared box
+    (its coordinates relative to the box's first element ``o_c, o_h, o_w``)."""
+
+    def __init__(self, s: Schedule, plan: TilePlan) -> None:
+        super().__init__(s)
+        self.plan = plan
+
+    def load(self, x: Load) -> str:
+        if x.value != TILE:
+            return super().load(x)
+        p = self.plan
+        local = {0: "0", 1: f"({index_c(x.index[1])} - o_c)"}
+        local[2] = f"({index_c(x.index[2])} - o_h)"
+        local[3] = f"({index_c(x.index[3])} - o_w)"
+        flat = ""
+        for d in p.order:
+            if p.region[d] == 1:
+                continue
+            flat = local[d] if not flat else f"({flat}) * {p.region[d]} + {local[d]}"
+        return f"s_tile[{flat or '0'}]"
+
+
+def _tile_decompose(
+    extents: tuple[int, ...],
+    order: tuple[int, ...],
+    var: str,
+    names: dict[int, str],
+    base: dict[int, str],
+) -> list[dict[str, str]]:
+    """C for each dim's coordinate ``base + local`` of flat index ``var`` over a box of
+    ``extents`` laid out in ``order``."""
+    out = []
+    inner = 1
+    for pos in range(len(order) - 1, -1, -1):
+        d = order[pos]
+        div = var if inner == 1 else f"{var} / {inner}"
+        local = "0" if extents[d] == 1 else (div if pos == 0 else f"({div}) % {extents[d]}")
+        b = base[d]
+        out.append({"name": names[d], "expr": b if local == "0" else f"{b} + {local}"})
+        inner *= extents[d]
+    return list(reversed(out))
+
+
+def _render_tiled(
+    s: Schedule, plan: TilePlan, hardware: Hardware, emulate: bool, name: str
+) -> RenderedKernel:
+    """The shared-memory tiled kernel of ``s`` (``tiles.py``)."""
+    out = s.buffer(s.outputs[0])
+    src = next(b for b in s.buffers if b.value == plan.source and b.role == "input")
+    pr = _TilePrinter(s, plan)
+    order = plan.order
+    counts = [-(-out.shape[d] // plan.tile[d]) for d in range(4)]
+    ntiles = math.prod(counts)
+    # the tile's output origin: tile index decomposed over the tile counts, in memory order
+    tile_dec = []
+    inner = 1
+    for pos in range(len(order) - 1, -1, -1):
+        d = order[pos]
+        div = "tile" if inner == 1 else f"tile / {inner}"
+        idx = "0" if counts[d] == 1 else (div if pos == 0 else f"({div}) % {counts[d]}")
+        expr = idx if plan.tile[d] == 1 else f"({idx}) * {plan.tile[d]}"
+        tile_dec.append({"name": DIMS[d], "expr": "0" if idx == "0" else expr})
+        inner *= counts[d]
+    tile_dec.reverse()
+    first = {}
+    for d in (1, 2, 3):
+        m = plan.maps[d]
+        first[DIMS[d]] = f"t_{DIMS[d]}" if m is None else m.first(f"t_{DIMS[d]}")
+    region_dec = _tile_decompose(
+        plan.region,
+        order,
+        "e",
+        dict(enumerate(DIMS)),
+        {0: "t_n", 1: "o_c", 2: "o_h", 3: "o_w"},
+    )
+    out_dec = _tile_decompose(
+        plan.tile,
+        order,
+        "e",
+        dict(enumerate(DIMS)),
+        {0: "t_n", 1: "t_c", 2: "t_h", 3: "t_w"},
+    )
+    region_guard = []
+    for d in (1, 2, 3):
+        v, size = DIMS[d], src.shape[d]
+        if plan.maps[d] is not None:
+            region_guard.append(f"{v} >= 0 && {v} < {size}")
+        elif out.shape[d] % plan.tile[d]:
+            region_guard.append(f"{v} < {size}")
+    out_guard = [f"{DIMS[d]} < {out.shape[d]}" for d in (1, 2, 3) if out.shape[d] % plan.tile[d]]
+    big = any(b.elements >= 2**31 for b in s.buffers)
+    offset = (
+        " + ".join(
+            (f"(long long){DIMS[d]}" if big else DIMS[d])
+            + ("" if out.strides[d] == 1 else f" * {out.strides[d]}")
+            for d in range(4)
+            if out.shape[d] > 1
+        )
+        or "0"
+    )
+    launch = LaunchConfig(
+        max(1, min(ntiles, max(1, hardware.cores) * BLOCKS_PER_SM)),
+        max(1, hardware.warp_size or 32) * WARPS_PER_BLOCK,
+        out.elements,
+    )
+    ins = [s.buffer(n) for n in s.inputs]
+    source = (
+        environment()
+        .get_template("kernel_tiled.cu.j2")
+        .render(
+            kernel=name,
+            description=s.description,
+            helpers=HELPERS,
+            params=[
+                {"cname": param_ident(p.name), "size": len(p.data), "text": _param_text(p)}
+                for p in s.params
+            ],
+            inputs=[
+                {"cname": buffer_ident(b.name), "value": b.value, "type": str(tensor_type(b))}
+                for b in ins
+            ],
+            out={
+                "cname": buffer_ident(out.name),
+                "fname": function_ident(out.name),
+                "value": out.value,
+                "type": str(tensor_type(out)),
+                "order_text": ", ".join(DIMS[d] for d in order),
+            },
+            source=plan.source,
+            staged=pr.expr(plan.staged),
+            body=pr.stage(plan.stage),
+            tile_text="x".join(str(plan.tile[d]) for d in range(4)),
+            region_text="x".join(str(plan.region[d]) for d in range(4)),
+            smem=plan.smem_floats,
+            tile_outputs=plan.tile_outputs,
+            ntiles=ntiles,
+            tile_decompose=tile_dec,
+            first=first,
+            region_decompose=region_dec,
+            region_guard=" && ".join(region_guard),
+            out_decompose=out_dec,
+            out_guard=" && ".join(out_guard),
+            out_offset=offset,
+            grid=launch.grid,
+            block=launch.block,
+            emulate=emulate,
+        )
+    )
+    return RenderedKernel(
+        name,
+        source,
+        tuple(b.value for b in ins),
+        (out.value,),
+        tuple(tensor_type(b) for b in ins),
+        (tensor_type(out),),
+        launch,
+        s,
+    )
+
+
 def render_schedule(
     s: Schedule, hardware: Hardware, emulate: bool = True, name: str | None = None
 ) -> RenderedKernel:
@@ -364,6 +529,9 @@ def render_schedule(
     """
     if len(s.outputs) != 1:
         raise UnsupportedError(f"schedule {s.name} has {len(s.outputs)} outputs; one needed")
+    plan = tile_plan(s, hardware) if TILED else None
+    if plan is not None:
+        return _render_tiled(s, plan, hardware, emulate, kernel_name(s, name))
     functions = element_functions(s)
     out = s.buffer(s.outputs[0])
     vec = vector_width(s)
