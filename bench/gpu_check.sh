@@ -7,7 +7,8 @@
 # 2. install  : wheels carried in .whl/ (e.g. islpy, absent from some GPU images) into
 #               /tmp/site, then the project itself: pip install --no-deps
 #               --no-build-isolation -e . (falls back to running from the source tree);
-# 3. tests    : the CUDA tests for real (tests/test_cuda_gpu.py; the emulation and nvcc
+# 3. tests    : the CUDA tests for real (tests/test_cuda_gpu.py, the shared-memory tiles'
+#               GPU test in tests/test_cuda_tiles.py; the emulation and nvcc
 #               tests run in CI without a GPU); meanwhile, memory: bench/gpu_memory.py,
 #               the peak GPU memory of the eleven networks under reduce-overhead and the
 #               middleware (weights copied / shared), each (network, mode) in a process of
@@ -100,7 +101,7 @@ timeout -k 10 "$((MEM_S + 10))" "$PY" bench/gpu_memory.py --budget-s "$MEM_S" --
   --modes compile_ro,mw_graph,mw_share --out "$RES/memory.json" >>"$RES/tests.log" 2>&1 &
 MEM_PID=$!
 step tests 120 "$RES/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider -o addopts= \
-  -m "not slow or gpu" tests/test_cuda_gpu.py tests/test_cuda_loader.py
+  -m "not slow or gpu" tests/test_cuda_gpu.py tests/test_cuda_loader.py tests/test_cuda_tiles.py
 wait "$MEM_PID"
 note "== memory rc=$? (peak MiB whole process / steady state)"
 grep "^| " "$RES/tests.log" | tail -n 13 | tee -a "$SUMMARY"

@@ -139,3 +139,45 @@ def test_windows_over_a_reduction_or_a_concat_keep_the_flat_form():
     s = schedule_of(graph, names, ONE_SM)
     assert tiles.tile_plan(s, ONE_SM) is None
     assert "s_tile" not in render.render_schedule(s, ONE_SM).source
+
+
+def _gpu_skip() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from middleware.backends.cuda.build import find_nvcc, nvrtc_available
+    from middleware.backends.cuda.loader import available_loaders
+
+    if not available_loaders():
+        return "no CUDA kernel loader"
+    if find_nvcc() is None and not nvrtc_available():
+        return "no CUDA compiler (nvcc or NVRTC)"
+    return ""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(_gpu_skip()), reason=_gpu_skip())
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
+def test_tiled_windows_on_the_gpu(budget, tmp_path):
+    """The same random cases on a real GPU (real barriers and shared memory, the device's
+    own SM count), plain and NaN/inf inputs."""
+    from middleware.backends.cuda.kernel import compile_schedule
+    from middleware.hardware import detect_cuda
+
+    hw = detect_cuda(None, measure=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiles, "SMEM_BUDGET", BUDGETS[budget])
+        for i in range(N_CASES):
+            for layout in ("nchw", "nhwc"):
+                graph, names, what = _random_case(1000 + i, layout)
+                s = schedule_of(graph, names, hw)
+                assert tiles.tile_plan(s, hw) is not None, what
+                kernel = compile_schedule(s, hw, tmp_path, torch.cuda.current_device())
+                for make in (inputs_for, special_inputs):
+                    xs = make(graph, seed=i)
+                    expected = graph.evaluate(*xs)
+                    on_gpu = [x.to("cuda") for x in xs]  # layouts kept
+                    args = kernel_args(graph, kernel.rendered.inputs, on_gpu, device="cuda")
+                    got = kernel(*args)
+                    torch.testing.assert_close(
+                        got.cpu(), expected, rtol=1e-5, atol=1e-5, equal_nan=True, msg=what
+                    )
