@@ -193,12 +193,13 @@ class Plan:
                 if native is None:  # refused meanwhile
                     return self._run(inputs, self._program)
                 return self._record_native(inputs, native)
-        if not self._busy.acquire(blocking=False):
+        busy = self._busy
+        if not busy.acquire(False):  # (not blocking)
             return self._run(inputs, self._unplanned)
         try:
             return self._run(inputs, self._program)
         finally:
-            self._busy.release()
+            busy.release()
 
     def use_native(self, cache_dir: Any) -> None:
         """Record the planned steps as one C call at the next run (runtime/native.py), where
@@ -256,7 +257,7 @@ class Plan:
         self.notes = (*self.notes, f"native runner: off ({why}); the steps run from Python")
 
     def _run(self, inputs: Sequence[torch.Tensor], program: list) -> Any:
-        env = list(self._template)
+        env = self._template[:]
         for s, x in zip(self.input_slots, inputs, strict=True):
             env[s] = x
         x = None  # noqa: F841 - the loop variable must not keep the last input alive
@@ -320,6 +321,7 @@ def build_plan(
             f"the plan was built ({graph.released()[stood_in[0]]})"
         )
     held: set[str] = set()
+    own_consts: set[int] = set()  # the slots of constants the plan made (not the user's)
     for p, arr in graph.params.items():
         layout = graph.values[p].layout
         own = users_tensor(arr, sources.get(p), device, layout)
@@ -330,6 +332,8 @@ def build_plan(
             held.add(p)
         else:
             constants[slot(p)] = to_tensor(arr, device, layout)
+            own_consts.add(slot_of[p])
+    tell_constants(units, slot_of, constants, own_consts)
     # liveness: the last unit that reads each slot frees it (never inputs, params, outputs)
     keep = (set(graph.inputs) - set(owned)) | set(graph.params) | set(graph.output_values())
     last_use: dict[str, int] = {}
@@ -393,6 +397,29 @@ def build_plan(
                 stacklevel=2,
             )
     return plan
+
+
+def tell_constants(
+    units: Sequence[Unit],
+    slot_of: dict[str, int],
+    constants: dict[int, torch.Tensor],
+    own: set[int],
+) -> None:
+    """Hand each unit whose function asks (``fn.constant_inputs``: a CUDA generated kernel)
+    the plan's own constants among its inputs, by position: tensors that only the plan
+    holds and passes at every call as they are, so their checks can be made once. The
+    user's tensors serving as constants (``users_tensor``) are left out: their storage can
+    be swapped under the plan (``p.data = ...``), so they are checked at every call."""
+    for u in units:
+        note = getattr(u.fn, "constant_inputs", None)
+        if note is None:
+            continue
+        mine = {}
+        for k, v in enumerate(u.inputs):
+            s = slot_of.get(v)
+            if s in own:
+                mine[k] = constants[s]
+        note(mine)
 
 
 def unread_params(graph: Graph, units: Sequence[Unit]) -> set[str]:
