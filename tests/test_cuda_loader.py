@@ -12,6 +12,8 @@ import pytest
 from middleware.backends.cuda import loader as loader_mod
 from middleware.errors import DeviceError
 
+_real_direct_launch = loader_mod._direct_launch  # (the fixture below replaces it)
+
 
 class FakeDriver:
     """Records calls; returns (0, handle) tuples like cuda.bindings.driver."""
@@ -61,6 +63,11 @@ class FakeDriver:
         return (0, b"planted error")
 
 
+def _value(arg):
+    """A pointer argument of the direct launch (a c_void_p) as an int."""
+    return (arg.value or 0) if isinstance(arg, ctypes.c_void_p) else arg
+
+
 @pytest.fixture
 def fake(monkeypatch):
     driver = FakeDriver()
@@ -96,6 +103,7 @@ def test_direct_launch_passes_the_handles_and_a_per_thread_pointer_array(fake, m
     seen = []
 
     def direct(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        f, stream, params = _value(f), _value(stream), _value(params)
         slots = (ctypes.c_void_p * 2).from_address(params)
         values = [ctypes.c_void_p.from_address(slots[i]).value for i in range(2)]
         seen.append((f, gx, bx, smem, stream, extra, values, params))
@@ -121,6 +129,7 @@ def test_bound_launch_of_a_loaded_kernel(fake, monkeypatch):
     seen = []
 
     def direct(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        f, stream, params = _value(f), _value(stream), _value(params)
         slots = (ctypes.c_void_p * 2).from_address(params)
         values = [ctypes.c_void_p.from_address(slots[i]).value for i in range(2)]
         seen.append((f, gx, bx, stream, values, params))
@@ -240,3 +249,58 @@ def test_generated_kernel_launches_through_a_loaded_kernel(monkeypatch):
             1003,
         )
     ]
+
+
+_RECORDING_LAUNCH = r"""
+#include <stdint.h>
+typedef struct { uint64_t f, stream, params, extra, p0, p1; unsigned dims[7]; } seen_t;
+seen_t seen;
+int fake_launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                unsigned bz, unsigned smem, void *stream, void **params, void **extra) {
+  unsigned d[7] = {gx, gy, gz, bx, by, bz, smem};
+  for (int i = 0; i < 7; i++) seen.dims[i] = d[i];
+  seen.f = (uint64_t)f; seen.stream = (uint64_t)stream;
+  seen.params = (uint64_t)params; seen.extra = (uint64_t)extra;
+  seen.p0 = *(uint64_t *)params[0]; seen.p1 = *(uint64_t *)params[1];
+  return gx == 13 ? 701 : 0;
+}
+"""
+
+
+def test_direct_launch_reaches_c_with_cuLaunchKernels_argument_types(fake, monkeypatch, tmp_path):
+    """The direct path calls the driver without ctypes' argtypes: a C function of
+    cuLaunchKernel's prototype, called the way the bound launch calls it, must get every
+    argument whole (64-bit handles, stream and kernelParams, including those passed on the
+    stack; unsigned sizes up to 2**32 - 1; NULL extra) and its error code back."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "launch.c"
+    src.write_text(_RECORDING_LAUNCH)
+    lib = tmp_path / "liblaunch.so"
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+
+    class Seen(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint64) for n in ("f", "stream", "params", "extra", "p0", "p1")]
+        _fields_ += [("dims", ctypes.c_uint * 7)]
+
+    direct = _real_direct_launch(str(lib), "fake_launch")
+    assert direct is not None
+    seen = Seen.in_dll(ctypes.CDLL(str(lib)), "seen")
+    monkeypatch.setattr(loader_mod, "_direct_launch", lambda: direct)
+    ld = loader_mod.CudaBindingsLoader()
+    fake.CUresult = int
+    handle, stream = 0x7F12_3456_789A, 0x5555_AAAA_0000_1238
+    launch = ld.bind(handle, 0, lambda device: stream)
+    big = 2**32 - 1
+    launch(big, 1024, [0x7F00_0000_0010, 0x10_0000_0020])
+    assert (seen.f, seen.stream, seen.extra) == (handle, stream, 0)
+    assert list(seen.dims) == [big, 1, 1, 1024, 1, 1, 0]
+    assert (seen.p0, seen.p1) == (0x7F00_0000_0010, 0x10_0000_0020)
+    ld.launch(handle, 5, 32, [1, 2], stream)  # the generic method's direct call alike
+    assert (seen.f, seen.stream, list(seen.dims)[:4], seen.p1) == (handle, stream, [5, 1, 1, 32], 2)
+    with pytest.raises(DeviceError, match="cuLaunchKernel"):
+        launch(13, 32, [1, 2])

@@ -118,7 +118,9 @@ class CudaBindingsLoader:
             except TypeError:  # a cuda.bindings without int(CUfunction): its own launch
                 self._direct = None
                 return self.launch(fn, grid, block, ptrs, stream)
-            err = direct(handle, grid, 1, 1, block, 1, 1, 0, stream, address, None)
+            err = direct(
+                _ptr(handle), grid, 1, 1, block, 1, 1, 0, _ptr(stream), _ptr(address), None
+            )
             if err:
                 self._check(self.cu.CUresult(err), "cuLaunchKernel")
             return
@@ -142,14 +144,16 @@ class CudaBindingsLoader:
             return None
         local = threading.local()
         check, result = self._check, self.cu.CUresult
+        fn_arg = _ptr(handle)  # the pointer arguments as c_void_p (see _direct_launch)
 
         def launch(grid: int, block: int, ptrs: Sequence[int]) -> None:
             try:
-                values, address = local.arrays
+                values, params = local.arrays
             except AttributeError:
-                values, address = local.arrays = _params_array(len(ptrs))
+                values, address = _params_array(len(ptrs))
+                values, params = local.arrays = values, _ptr(address)
             values[:] = ptrs
-            err = direct(handle, grid, 1, 1, block, 1, 1, 0, stream_of(device), address, None)
+            err = direct(fn_arg, grid, 1, 1, block, 1, 1, 0, _ptr(stream_of(device)), params, None)
             if err:
                 check(result(err), "cuLaunchKernel")
 
@@ -167,29 +171,24 @@ def _params_array(n: int) -> tuple[Any, int]:
     return values, ctypes.addressof(params)
 
 
-def _direct_launch() -> Any:
+_ptr = ctypes.c_void_p
+
+
+def _direct_launch(library: str = "libcuda.so.1", symbol: str = "cuLaunchKernel") -> Any:
     """``cuLaunchKernel`` of the driver library (the one cuda.bindings calls) through ctypes,
     or None where it cannot be loaded: about a microsecond per launch instead of several
-    through cuda.bindings' argument conversion."""
+    through cuda.bindings' argument conversion.
+
+    Without ``argtypes`` (their conversion of eleven arguments costs half a microsecond per
+    launch), so callers pass each argument in a form of its C type's size: the pointers
+    (function, stream, kernelParams) as ``c_void_p`` (a Python int would go as a 32-bit
+    C int), ``extra`` as None (NULL), the unsigned grid, block and shared-memory sizes as
+    Python ints (a 32-bit C int, the bits of an unsigned int below 2**32)."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuLaunchKernel
+        lib = ctypes.CDLL(library)
+        fn = getattr(lib, symbol)
     except (OSError, AttributeError):
         return None
-    u = ctypes.c_uint
-    fn.argtypes = [
-        ctypes.c_void_p,
-        u,
-        u,
-        u,
-        u,
-        u,
-        u,
-        u,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-    ]
     fn.restype = ctypes.c_int
     return fn
 
