@@ -48,3 +48,17 @@ def test_a_submodule_in_training_mode_after_the_first_compile(tmp_path):
     mod.bn.eval()
     with torch.no_grad():
         torch.testing.assert_close(opt(x), ref(x), rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_the_training_flags_read_per_call_are_each_copys_own(tmp_path):
+    """The call reads every module's ``training`` flag from the modules' attribute
+    dictionaries: a deep copy of the optimized module reads its own modules' flags, not
+    the ones it was copied from."""
+    x = torch.randn(2, 3, 6, 5)
+    opt = middleware.optimize(_Net().eval(), example_inputs=[x], cache_dir=tmp_path)
+    twin = copy.deepcopy(opt)
+    assert not opt._training_call() and not twin._training_call()
+    twin.original.bn.train()
+    assert twin._training_call() and not opt._training_call()
+    opt.original.head.train()
+    assert opt._training_call()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -54,6 +55,9 @@ class Compiled:
 # a module's own lock, so the two never deadlock.
 _GLOBAL_COMPILE_LOCK = threading.RLock()
 _set_grad_enabled = torch._C._set_grad_enabled
+_is_grad_enabled = torch.is_grad_enabled
+_TRAINING = operator.attrgetter("training")
+_TRAINING_ITEM = operator.itemgetter("training")
 
 
 _NOT_RUN = object()  # _compile's second result when it did not run the model itself
@@ -140,6 +144,7 @@ class OptimizedModule(nn.Module):
         # every module of the original: a submodule switched to training mode on its own
         # (model.eval(); model.bn.train()) makes the call a training one, as in eager
         object.__setattr__(self, "_all_modules", tuple(model.modules()))
+        self._watch_training()
         # mirrors the original's mode; train()/eval() on this module switch the original's
         nn.Module.train(self, model.training)
         self.options = options
@@ -181,11 +186,22 @@ class OptimizedModule(nn.Module):
         state = super().__getstate__()
         state.pop("_compile_lock", None)  # a lock cannot be copied; each copy gets its own
         state["_repeat"] = None  # a C++ guard cannot be copied; the copy guards its own calls
+        state.pop("_training_dicts", None)  # the copy's own modules' (__setstate__)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._compile_lock = threading.Lock()
+        self._watch_training()
+
+    def _watch_training(self) -> None:
+        """The attribute dictionaries of every module of the original, where each holds its
+        ``training`` flag there (what ``nn.Module`` does): reading the flags from them is a
+        third of the attribute lookups' cost, on every call. None (the lookups serve) where
+        a module's class defines ``training`` itself."""
+        mods = self.__dict__.get("_all_modules", ())
+        plain = all("training" in vars(m) and not hasattr(type(m), "training") for m in mods)
+        self.__dict__["_training_dicts"] = tuple(vars(m) for m in mods) if plain else None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OptimizedModule:
         # The copy's original is a copy too, with tensors of its own: plans built from (and
@@ -303,11 +319,31 @@ class OptimizedModule(nn.Module):
                 f"keyword inputs ({', '.join(kwargs)}) are not supported; pass tensors positionally"
             )
         repeat = self._repeat
-        if repeat is not None and self._same_as_before(repeat, inputs):
-            if not self._training_call():
+        if repeat is not None:
+            # the call of the previous inputs' kind (the _Repeat guard): the fewest Python
+            # operations to the plan, since a step-by-step GPU plan waits on this host time
+            try:
+                same = repeat.check(*inputs)
+            except TypeError:  # another number of inputs
+                same = False
+            if same and not self._training_call():
                 weights = self._weights  # None: plans forgotten meanwhile (another thread)
                 if weights is not None and weights.current():
-                    return self._run_plan(repeat.entry, inputs, repeat.sig)
+                    entry = repeat.entry
+                    plan = entry.plan
+                    self.__dict__["_latest"] = entry
+                    if _is_grad_enabled():
+                        _set_grad_enabled(False)
+                        try:
+                            return plan.run(inputs)
+                        except Exception as e:  # noqa: BLE001 - a plan bug must not reach the user
+                            return self._run_failed(inputs, repeat.sig, e)
+                        finally:
+                            _set_grad_enabled(True)
+                    try:
+                        return plan.run(inputs)
+                    except Exception as e:  # noqa: BLE001 - a plan bug must not reach the user
+                        return self._run_failed(inputs, repeat.sig, e)
         try:
             dense_inputs, sig = dense_signature(inputs)
         except AttributeError:  # an input that is not a tensor
@@ -322,14 +358,13 @@ class OptimizedModule(nn.Module):
 
     def _training_call(self) -> bool:
         """The original, or any submodule switched on its own, is in training mode."""
-        return self._original.training or any(m.training for m in self._all_modules)
-
-    @staticmethod
-    def _same_as_before(repeat: _Repeat, inputs: Sequence[Any]) -> bool:
-        try:
-            return repeat.check(*inputs)
-        except TypeError:  # another number of inputs
-            return False
+        dicts = self._training_dicts
+        if dicts is not None:
+            try:
+                return any(map(_TRAINING_ITEM, dicts))
+            except KeyError:  # a flag deleted from a module's attributes: the lookups say
+                pass
+        return any(map(_TRAINING, self._all_modules))
 
     def _plan_call(self, inputs: Sequence[Any], sig: tuple, guard: bool = False) -> Any:
         """The plan of ``sig`` (built on first use) run on ``inputs``, without gradients.
