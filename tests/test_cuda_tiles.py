@@ -39,6 +39,14 @@ from middleware.loops import window_out_size
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _tiled_on():
+    """The tiled form is off by default (measured slower on an H200): on for these tests."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(render, "TILED", True)
+        yield
+
 # one SM: the grid (32 blocks per SM at most) is smaller than the tile count of the tiny budget
 ONE_SM = dataclasses.replace(FAKE_GPU, cores=1)
 BUDGETS = {"default": tiles.SMEM_BUDGET, "tiny": 64 * 4}

@@ -58,9 +58,11 @@ VECTOR = 4
 # bandwidth with one element per iteration and 68-75% with two, in both layouts (BN -> ReLU
 # alone: 84-86% either way): one it is (two stays selectable for the variants run).
 ILP = 1
-# Window schedules over a group input's pointwise prologue render as shared-memory tiles
-# (``tiles.py``); False keeps every schedule in the flat form (for the benchmark's A/B).
-TILED = True
+# Window schedules over a group input's pointwise prologue can render as shared-memory
+# tiles (``tiles.py``). Off: measured on an H200 (bench/gpu_chain.py, 2026-11-27), the
+# BN -> ReLU -> 3x3/2 max-pool kernel took 44.3 us tiled (NCHW; 49.6 channels_last)
+# against 24.7 us flat (24.5), so every schedule keeps the flat form unless this is True.
+TILED = False
 
 
 @dataclasses.dataclass(frozen=True)
