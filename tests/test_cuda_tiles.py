@@ -4,7 +4,8 @@ against PyTorch.
 
 Seeded random windows (max and average pooling: kernel, stride, padding, dilation,
 ceil_mode, count_include_pad; with no prologue, a batch-norm + activation before the pool,
-or a stride-1 pool whose prologue the schedule keeps in a buffer of its own) on random
+the lowered batch-norm's multiply-add by per-channel constant inputs, or a stride-1 pool
+whose prologue the schedule keeps in a buffer of its own) on random
 shapes, in both layouts, with the default shared-memory budget (one tile covers these small
 outputs) and with a tiny one (many tiles, partial tiles at the borders, a grid smaller than
 the tile count): every case takes the tiled form and equals ``Graph.evaluate`` on plain
@@ -32,7 +33,7 @@ from cuda_cases import (
 )
 
 from middleware.backends.cuda import render, tiles
-from middleware.backends.cuda.build import build, emulation_request
+from middleware.backends.cuda.build import build, cubin_request, emulation_request, find_nvcc
 from middleware.backends.cuda.emulate import EmulatedLauncher
 from middleware.backends.cuda.kernel import GeneratedKernel
 from middleware.loops import window_out_size
@@ -47,10 +48,11 @@ def _tiled_on():
         mp.setattr(render, "TILED", True)
         yield
 
+
 # one SM: the grid (32 blocks per SM at most) is smaller than the tile count of the tiny budget
 ONE_SM = dataclasses.replace(FAKE_GPU, cores=1)
 BUDGETS = {"default": tiles.SMEM_BUDGET, "tiny": 64 * 4}
-N_CASES = 14
+N_CASES = 20
 
 
 def _random_case(seed: int, layout: str):
@@ -68,8 +70,12 @@ def _random_case(seed: int, layout: str):
             break
     b = Builder(layout, seed=seed)
     x = b.input("x", shape)
-    prologue = rnd.choice(["none", "bn_relu", "bn_hardswish"])
-    if prologue != "none":
+    prologue = rnd.choice(["none", "bn_relu", "bn_hardswish", "affine_relu"])
+    if prologue == "affine_relu":  # the CUDA backend's lowered batch-norm (cuda/lower.py)
+        c = shape[1]
+        scaled = b.node("mul", (x, b.param("scale", (1, c, 1, 1))))
+        x = b.node("relu", (b.node("add", (scaled, b.param("shift", (1, c, 1, 1)))),))
+    elif prologue != "none":
         x = b.node("relu" if prologue == "bn_relu" else "hardswish", (b.bn(x),))
     if op == "max_pool2d":
         attrs = pool_attrs(k, s, p, d=d, ceil=ceil)
@@ -123,6 +129,20 @@ def test_tiled_window_matches_pytorch(case, inputs, tiled_library):
     expected = graph.evaluate(*xs)
     got = kernel(*kernel_args(graph, r.inputs, xs))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, equal_nan=True, msg=what)
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc (CUDA toolkit) is not installed")
+def test_tiled_kernels_compile_with_nvcc(tiled_library, tmp_path):
+    """Every random case's tiled kernel (shared memory, barriers, unrolled phases) as nvcc
+    compiles it for sm_90, in one translation unit."""
+    _, rendered = tiled_library
+    parts, names = [], []
+    for k, (_, r, _, _) in enumerate(rendered.values()):
+        src = render.render_schedule(r.schedule, ONE_SM, emulate=False, name=f"{r.name}_gpu")
+        parts.append(f"namespace gpu{k} {{\n{src.source}}}\n")
+        names.append(src.name)
+    data = build(cubin_request("tiles_gpu", "\n".join(parts), "sm_90"), tmp_path).read_bytes()
+    assert data[:4] == b"\x7fELF" and all(n.encode() in data for n in names)
 
 
 def test_cases_cover_partial_tiles_and_a_grid_stride(tiled_library):

@@ -61,7 +61,9 @@ ILP = 1
 # Window schedules over a group input's pointwise prologue can render as shared-memory
 # tiles (``tiles.py``). Off: measured on an H200 (bench/gpu_chain.py, 2026-11-27), the
 # BN -> ReLU -> 3x3/2 max-pool kernel took 44.3 us tiled (NCHW; 49.6 channels_last)
-# against 24.7 us flat (24.5), so every schedule keeps the flat form unless this is True.
+# against 24.7 us flat (24.5). That tiled kernel loaded its box in a rolled loop, one load
+# in flight per thread; the box loads now go to registers first in unrolled loops (all in
+# flight), not yet measured: bench/gpu_chain.py's mw_kernel/mw_flat rows decide.
 TILED = False
 
 
@@ -494,6 +496,8 @@ def _render_tiled(
             region_text="x".join(str(plan.region[d]) for d in range(4)),
             smem=plan.smem_floats,
             tile_outputs=plan.tile_outputs,
+            load_iters=-(-plan.smem_floats // launch.block),
+            out_iters=-(-plan.tile_outputs // launch.block),
             ntiles=ntiles,
             tile_decompose=tile_dec,
             first=first,

@@ -94,9 +94,15 @@ class TilePlan:
         return math.prod(self.tile)
 
 
+def _per_channel(ix: tuple) -> bool:
+    """An index that reads the same element at every h, w and tap (a per-channel or
+    per-sample constant: the lowered batch-norm's scale and shift, shape (1, C, 1, 1))."""
+    return all(variables(i) <= {"n", "c"} for i in ix)
+
+
 def _staged_index(e: Expr, inputs: set[str]) -> tuple[str, tuple] | None:
-    """(input, index) when ``e`` can be staged: it reads one group input at one index, and
-    otherwise constants and parameters indexed by n or c only; else None."""
+    """(input, index) when ``e`` can be staged: it reads one group input at one windowed
+    index, and otherwise constants and per-channel parameters or inputs; else None."""
     loads = []
     for x in leaves(e):
         if isinstance(x, Acc):
@@ -104,8 +110,11 @@ def _staged_index(e: Expr, inputs: set[str]) -> tuple[str, tuple] | None:
         if isinstance(x, ParamVec) and not variables(x.index) <= {"n", "c"}:
             return None
         if isinstance(x, Load):
-            loads.append(x)
-    if not loads or any(ld.value not in inputs for ld in loads):
+            if x.value not in inputs:
+                return None
+            if not _per_channel(tuple(x.index)):
+                loads.append(x)
+    if not loads:
         return None
     first = loads[0]
     if any(ld.value != first.value or ld.index != first.index for ld in loads[1:]):
@@ -263,7 +272,7 @@ def tile_plan(s: Schedule, hardware: Hardware) -> TilePlan | None:
         return None
     tile, region = chosen
     here = Load(source, tuple(Var(d) for d in DIMS))
-    staged_here = _replace_loads(staged, here)
+    staged_here = _at_element(staged, Load(source, index), here)
     stage = dataclasses.replace(
         st, reduction=dataclasses.replace(red, body=_replace(body, staged, Load(TILE, index)))
     )
@@ -290,11 +299,21 @@ def _inline_pointwise(s: Schedule, body: Expr) -> Expr | None:
             return None
         expr = substitute(st.expr, inline)
         for leaf in leaves(expr):
-            if isinstance(leaf, Acc) or (isinstance(leaf, Load) and leaf.index != identity):
+            if isinstance(leaf, Acc):
                 failed = True
+            if isinstance(leaf, Load) and leaf.index != identity:
+                failed |= not _per_channel(tuple(leaf.index))
             if isinstance(leaf, ParamVec) and not variables(leaf.index) <= {"n", "c"}:
                 failed = True
-        return _replace_loads_index(expr, tuple(x.index))
+        # the stage's element loads follow the window; its per-channel loads stay
+        return substitute(
+            expr,
+            lambda y: (
+                Load(y.value, tuple(x.index))
+                if isinstance(y, Load) and y.index == identity
+                else None
+            ),
+        )
 
     out = substitute(body, inline)
     if len(s.stages) > 1 and not any(isinstance(x, Load) for x in leaves(out)):
@@ -302,17 +321,6 @@ def _inline_pointwise(s: Schedule, body: Expr) -> Expr | None:
     return None if failed else out
 
 
-def _replace_loads_index(e: Expr, index: tuple) -> Expr:
-    if isinstance(e, Load):
-        return Load(e.value, index)
-    if isinstance(e, Call):
-        return Call(e.fn, tuple(_replace_loads_index(a, index) for a in e.args))
-    return e
-
-
-def _replace_loads(e: Expr, new: Load) -> Expr:
-    if isinstance(e, Load):
-        return new
-    if isinstance(e, Call):
-        return Call(e.fn, tuple(_replace_loads(a, new) for a in e.args))
-    return e
+def _at_element(e: Expr, windowed: Load, here: Load) -> Expr:
+    """``e`` with its windowed load read at the box element (n, c, h, w) instead."""
+    return substitute(e, lambda x: here if x == windowed else None)
