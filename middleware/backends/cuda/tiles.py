@@ -10,7 +10,7 @@ once, coalesced along the contiguous dimension, and computes the prologue once p
 A schedule takes this form (:func:`tile_plan`) when:
 
 - it has one stage, writing the output, a max or sum reduction over point loops whose tap
-  ranges are short (``render.tap_range``: unrolled loops);
+  ranges are short (``taps.tap_range``: unrolled loops);
 - the reduction's body holds a *staged* subexpression: the largest one that reads one group
   input at one index, constants and per-channel (or per-sample) parameters only (batch-norm
   + ReLU before a pool; the input itself where nothing comes before; the prologue of a
@@ -36,6 +36,7 @@ from ...hardware import Hardware
 from ...index_expr import Ix, Var, evaluate, variables
 from ...loops import DIMS, Acc, Call, Expr, Load, ParamVec, leaves, substitute
 from ...passes.schedule_ir import ORDER, Schedule, Stage
+from .taps import tap_range
 
 # The name of the shared tile in the staged body (a Load of this value reads shared memory).
 TILE = "__mw_tile__"
@@ -221,8 +222,6 @@ def choose_tile(
 def tile_plan(s: Schedule, hardware: Hardware) -> TilePlan | None:
     """The tiled form of ``s``, or None when it keeps the flat form (see the module's
     docstring for when)."""
-    from .render import tap_range  # the renderer's one tap-range rule
-
     if len(s.outputs) != 1:
         return None
     out = s.buffer(s.outputs[0])
