@@ -113,6 +113,22 @@ def _chain_ceil(lay: str) -> tuple[Graph, list[str]]:
     return b.done(y)
 
 
+def _remap(op: str, in_shape: tuple[int, ...], then: str | None = None, **attrs) -> Callable:  # noqa: ANN003
+    """An index remap of op_shapes.py (slice, expand, repeat, roll) after a batch-norm, then
+    ``then`` (an activation, or a 3x3/2 max-pool reading the remapped values)."""
+
+    def build(lay: str) -> tuple[Graph, list[str]]:
+        b = Builder(lay)
+        y = b.node(op, (b.bn(b.input("x", in_shape)),), **attrs)
+        if then == "max_pool2d":
+            y = b.node("max_pool2d", (y,), **pool_attrs(3, 2, 1))
+        elif then is not None:
+            y = b.node(then, (y,))
+        return b.done(y)
+
+    return build
+
+
 def _unary(op: str, **attrs) -> Callable[[str], tuple[Graph, list[str]]]:  # noqa: ANN003
     def build(lay: str) -> tuple[Graph, list[str]]:
         b = Builder(lay)
@@ -308,6 +324,19 @@ ALL_CASES: dict[str, Callable[[str], tuple[Graph, list[str]]]] = {
     "grouped_conv_relu": _grouped_conv,
     "two_outputs": _two_outputs,
     "rank2_add_relu": _rank2,
+    "slice_step_relu": _remap(
+        "slice", (2, 7, 6, 9), "relu", index=(("slice", 0, 2, 1), ("slice", 1, 7, 2))
+    ),
+    "slice_spatial_pool": _remap(
+        "slice",
+        (2, 3, 11, 10),
+        "max_pool2d",
+        index=(("slice", 0, 2, 1), ("slice", 0, 3, 1), ("slice", 1, 10, 1), ("slice", 0, 10, 3)),
+    ),
+    "expand_relu": _remap("expand", (2, 1, 5, 1), "relu", shape=(2, 4, 5, 6)),
+    "repeat_sigmoid": _remap("repeat", (1, 3, 4, 5), "sigmoid", repeats=(2, 1, 2, 3)),
+    "roll_relu": _remap("roll", (2, 5, 6, 7), "relu", shifts=(2, -3), dims=(2, 3)),
+    "roll_pool": _remap("roll", (2, 4, 9, 8), "max_pool2d", shifts=(5,), dims=(1,)),
 }
 
 # Every activation of the registry (an op with scalar semantics), with its default attrs:

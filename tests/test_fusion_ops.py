@@ -92,6 +92,37 @@ CHAINS = {
         ],
     ),
     "two_pools": ((1, 4, 17, 15), [bn(), ("relu", {}), maxpool(3, 2, 1), avgpool(2, 2)]),
+    # index remaps (op_shapes.py): slices with offsets and steps on any dim, an int index
+    # dropping a dim, broadcasts, tiles, rolls (mod the size), also before a window
+    "slice_channels_step": (
+        (2, 9, 6, 7),
+        [bn(), ("slice", dict(index=(("slice", 0, 2, 1), ("slice", 1, 8, 3)))), ("relu", {})],
+    ),
+    "slice_spatial_then_pool": (
+        (2, 5, 11, 10),
+        [
+            ("slice", dict(index=(("slice", 1, 2, 1), ("slice", 0, 5, 1), ("slice", 2, 11, 2)))),
+            ("relu", {}),
+            maxpool(3, 2, 1),
+        ],
+    ),
+    "slice_int_index": (
+        (3, 4, 5, 6),
+        [bn(), ("slice", dict(index=(("slice", 0, 3, 2), ("int", 2)))), ("sigmoid", {})],
+    ),
+    "expand_broadcast": (
+        (2, 1, 6, 1),
+        [("expand", dict(shape=(2, 5, 6, 4))), ("relu", {})],
+    ),
+    "repeat_tiles": ((1, 3, 4, 5), [("repeat", dict(repeats=(2, 2, 1, 3))), ("tanh", {})]),
+    "roll_two_dims": (
+        (2, 5, 6, 7),
+        [bn(), ("roll", dict(shifts=(2, -3), dims=(2, 3))), ("relu", {})],
+    ),
+    "roll_channels_then_pool": (
+        (2, 6, 9, 8),
+        [("roll", dict(shifts=(4, 1), dims=(1, -1))), ("relu", {}), maxpool(3, 2, 1)],
+    ),
     # the averaging divisor of a materialised pool holds over its own rows, not the output's
     "avgpool_exclude_pad_then_pool": (
         (1, 3, 12, 11),
