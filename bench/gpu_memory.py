@@ -6,7 +6,8 @@ unreliable (the same 196.1 MiB for most networks under ``reduce-overhead``). Her
 child process loads the model onto the GPU, builds one mode, runs it three times and
 reports the allocator's peak over the whole process (``torch.cuda.max_memory_allocated``:
 the model's own weights included, the same for every mode), what the mode added over the
-model and its input, and the steady-state peak (the peak counter reset after those calls,
+model and its input, where the peak happens (while the mode is built, or in its first three
+calls; what it holds after each), and the steady-state peak (the peak counter reset after those calls,
 then three more: without cuDNN's benchmark-mode trials and compilation); for the
 middleware, the bytes of weight copies its plan holds beside the model's own. Children
 may run side by side (``--jobs``): memory is per process, and no time is taken.
@@ -81,10 +82,18 @@ def child(net: str, mode: str, batch: int) -> dict:
             )
         else:
             fn = model
+        # where the peak happens: building the mode (optimize(): weight copies, its own
+        # trial runs) or its first calls (cuDNN's benchmark trials, graph capture)
+        torch.cuda.synchronize()
+        build_peak = torch.cuda.max_memory_allocated()
+        built = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         for _ in range(3):
             y = fn(x)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        calls_peak = torch.cuda.max_memory_allocated()
+        peak = max(build_peak, calls_peak)
+        held = torch.cuda.memory_allocated() - y.numel() * y.element_size()
         # in steady state: cuDNN's benchmark-mode trials (large transient workspaces, in
         # every mode that calls cuDNN) and compilation are over; what the process holds
         # and the most it reaches during three more calls
@@ -111,6 +120,10 @@ def child(net: str, mode: str, batch: int) -> dict:
         "peak_mib": round(peak / 2**20, 1),
         "steady_peak_mib": round(steady / 2**20, 1),
         "added_mib": round((peak - base) / 2**20, 1),
+        "build_peak_mib": round(build_peak / 2**20, 1),
+        "held_after_build_mib": round(built / 2**20, 1),
+        "first_calls_peak_mib": round(calls_peak / 2**20, 1),
+        "held_after_calls_mib": round(held / 2**20, 1),
         "out_shape": list(y.shape),
     }
 
