@@ -260,6 +260,9 @@ def loops_of(graph: Graph, node: Node) -> OpLoops:
     out_t = graph.values[node.outputs[0]]
     if out_t.dtype != "float32":
         raise NotFusable(f"{out_t.dtype} values are not generated (float32 only)")
+    if 0 in out_t.shape or any(0 in graph.values[v].shape for v in node.inputs):
+        # nothing to compute, and isl has no expression for an empty range's bounds
+        raise NotFusable(f"{node.op} of an empty value (zero elements)")
     return op.loops(graph, node)
 
 

@@ -158,6 +158,26 @@ def test_cases_cover_partial_tiles_and_a_grid_stride(tiled_library):
     assert partial >= 3 and strided >= 1
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_epilogue_reading_the_prologue(layout, tmp_path):
+    """``max_pool2d(y, 3, 1, 1) + y`` for ``y = relu(bn(x))``: the schedule keeps ``y`` in
+    a buffer of its own, read by the window and by the add after it; the tiled kernel
+    recomputes ``y`` at the output point for the add (it holds no such buffer)."""
+    b = Builder(layout, seed=3)
+    y = b.node("relu", (b.bn(b.input("x", (2, 5, 9, 11))),))
+    graph, names = b.done(b.node("add", (b.node("max_pool2d", (y,), **pool_attrs(3, 1, 1)), y)))
+    s = schedule_of(graph, names, ONE_SM)
+    assert len(s.stages) == 2 and tiles.tile_plan(s, ONE_SM) is not None
+    r = render.render_schedule(s, ONE_SM, name=f"epilogue_{layout}")
+    kernel = GeneratedKernel(
+        r, EmulatedLauncher(build(emulation_request(r.name, r.source), tmp_path), r.name)
+    )
+    for make in (inputs_for, special_inputs):
+        xs = make(graph, seed=5)
+        got = kernel(*kernel_args(graph, r.inputs, xs))
+        torch.testing.assert_close(got, graph.evaluate(*xs), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def test_windows_over_a_reduction_or_a_concat_keep_the_flat_form():
     """An adaptive window (taps move with the point) and a concat before a pool are not
     boxes over one input: the flat form renders them."""

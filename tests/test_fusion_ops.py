@@ -130,6 +130,30 @@ CHAINS = {
     ),
 }
 
+# index remaps across ranks (row-major values: the layout is nchw below rank 4)
+REMAPS = {
+    "slice_new_axis": (
+        (3, 5, 7),
+        [("slice", dict(index=(("slice", 0, 3, 1), ("new",), ("slice", 1, 5, 2)))), ("relu", {})],
+    ),
+    "slice_int_on_batch": ((3, 4, 5, 6), [("slice", dict(index=(("int", 1),))), ("relu", {})]),
+    "expand_rank1_to_4": ((6,), [("expand", dict(shape=(2, 3, 4, 6))), ("sigmoid", {})]),
+    "expand_rank3_to_4": ((3, 1, 5), [("expand", dict(shape=(2, 3, 4, 5))), ("sigmoid", {})]),
+    "repeat_more_dims": ((4, 5), [("repeat", dict(repeats=(2, 3, 1, 2))), ("tanh", {})]),
+    "roll_rank2": ((5, 7), [("roll", dict(shifts=(-2, 9), dims=(0, 1))), ("relu", {})]),
+    "roll_rank3_same_dim_twice": (
+        (4, 6, 5),
+        [("roll", dict(shifts=(2, 3, -1), dims=(1, 1, -1))), ("relu", {})],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REMAPS))
+def test_index_remaps_across_ranks(case, cache):
+    shape, steps = REMAPS[case]
+    check_group(build_chain(shape, "nchw", steps), cache)
+
+
 TOL = {
     "sigmoid_tanh_gelu": 1e-4,
     "elu_then_pool": 1e-5,

@@ -12,6 +12,7 @@ Derandomized; ``MIDDLEWARE_HYPOTHESIS_EXAMPLES`` scales the example counts.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -390,3 +391,34 @@ def test_multihead_attention_refused_call_is_one_fallback() -> None:
     assert len(fb) == 1 and "mha" in fb[0].node + fb[0].source, str(opt.report())
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_empty_slice_leaves_the_rest_optimized() -> None:
+    """Ops on zero elements have nothing to generate (and isl no bounds for them): they run
+    through the framework without a failed-generation warning, the rest of the model stays
+    optimized, equal to eager."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.bn = nn.BatchNorm2d(4)
+
+        def forward(self, x):  # noqa: ANN001, ANN201 - fx-traced test model
+            y = torch.relu(self.bn(self.conv(x)))
+            return torch.relu(y[:, 2:2]) + 1, torch.sigmoid(y) * 2
+
+    torch.manual_seed(0)
+    m = M().eval()
+    x = torch.randn(2, 3, 5, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = middleware.optimize(m, example_inputs=(x,))
+    assert not [w for w in caught if "failed" in str(w.message)], [str(w.message) for w in caught]
+    rows = opt.report().rows
+    assert any(r.op == "sigmoid" and r.runs_as == RunsAs.GENERATED for r in rows), str(opt.report())
+    assert all(r.runs_as != RunsAs.GENERATED for r in rows if r.op == "slice")
+    with torch.no_grad():
+        for got, want in zip(opt(x), m(x), strict=True):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

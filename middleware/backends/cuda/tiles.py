@@ -243,7 +243,10 @@ def tile_plan(s: Schedule, hardware: Hardware) -> TilePlan | None:
         taps[lp.var] = r
     inputs = {s.buffer(n).value for n in s.inputs}
     body = _inline_pointwise(s, red.body)
-    if body is None:
+    # the epilogue after the reduction too (a residual around a stride-1 pool reads the
+    # prologue's buffer at the output point: the tiled kernel computes no such buffer)
+    epilogue = _inline_pointwise(s, st.expr)
+    if body is None or epilogue is None:
         return None
     candidates = _largest_staged(body, inputs)
     if not candidates or any(c != candidates[0] for c in candidates[1:]):
@@ -273,7 +276,9 @@ def tile_plan(s: Schedule, hardware: Hardware) -> TilePlan | None:
     here = Load(source, tuple(Var(d) for d in DIMS))
     staged_here = _at_element(staged, Load(source, index), here)
     stage = dataclasses.replace(
-        st, reduction=dataclasses.replace(red, body=_replace(body, staged, Load(TILE, index)))
+        st,
+        expr=epilogue,
+        reduction=dataclasses.replace(red, body=_replace(body, staged, Load(TILE, index))),
     )
     return TilePlan(source, staged_here, stage, index, tuple(maps), tile, region, ORDER[out.layout])
 
@@ -315,8 +320,6 @@ def _inline_pointwise(s: Schedule, body: Expr) -> Expr | None:
         )
 
     out = substitute(body, inline)
-    if len(s.stages) > 1 and not any(isinstance(x, Load) for x in leaves(out)):
-        return None
     return None if failed else out
 
 
