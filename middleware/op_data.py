@@ -99,6 +99,43 @@ register(
 )
 
 
+def _channel_shuffle(node: Node) -> Kernel:
+    groups = int(node.attrs["groups"])
+
+    def channel_shuffle(x):
+        return torch.channel_shuffle(x, groups)
+
+    return channel_shuffle
+
+
+def _channel_shuffle_loops(graph: Graph, node: Node) -> OpLoops:
+    (x,) = node.inputs
+    xt = graph.values[x]
+    g = int(node.attrs["groups"])
+    if xt.rank != 4 or xt.shape[1] % g:
+        raise NotFusable(f"channel shuffle of a rank {xt.rank} value in {g} groups")
+    per = xt.shape[1] // g
+    return OpLoops("pointwise", Load(x, ("n", f"(c mod {g})*{per} + floor(c/{g})", "h", "w")))
+
+
+# ``channel_shuffle(x)``, attr ``groups``: channel ``c`` of the output is channel
+# ``(c mod g) * (C/g) + c // g`` of x (ShuffleNet's reshape -> transpose -> reshape, which
+# the layout pass writes as this one op for a channels_last value: a gather over channels
+# that fuses with the concat before it instead of a copy through a rank-5 view). ATen's
+# channel_shuffle keeps the input's memory format.
+register(
+    OpDef(
+        "channel_shuffle",
+        Bound.IO,
+        _channel_shuffle,
+        flops_per_elem=0.0,
+        loops=_channel_shuffle_loops,
+        per_sample=True,
+        layout_preserving=True,
+    )
+)
+
+
 def _flatten(node: Node) -> Kernel:
     s, e = node.attrs["start_dim"], node.attrs["end_dim"]
 

@@ -337,6 +337,7 @@ ALL_CASES: dict[str, Callable[[str], tuple[Graph, list[str]]]] = {
     "repeat_sigmoid": _remap("repeat", (1, 3, 4, 5), "sigmoid", repeats=(2, 1, 2, 3)),
     "roll_relu": _remap("roll", (2, 5, 6, 7), "relu", shifts=(2, -3), dims=(2, 3)),
     "roll_pool": _remap("roll", (2, 4, 9, 8), "max_pool2d", shifts=(5,), dims=(1,)),
+    "channel_shuffle_op": _remap("channel_shuffle", (2, 6, 5, 7), "relu", groups=3),
 }
 
 # Every activation of the registry (an op with scalar semantics), with its default attrs:

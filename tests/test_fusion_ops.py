@@ -123,6 +123,17 @@ CHAINS = {
         (2, 6, 9, 8),
         [("roll", dict(shifts=(4, 1), dims=(1, -1))), ("relu", {}), maxpool(3, 2, 1)],
     ),
+    # ShuffleNet's shuffle as the layout pass writes it for channels_last: one gather over
+    # channels, fused with the concat before it
+    "cat_channel_shuffle": (
+        (2, 5, 6, 7),
+        [
+            ("cat", dict(dim=1), [("input", (2, 5, 6, 7))]),
+            ("channel_shuffle", dict(groups=2)),
+            ("relu", {}),
+        ],
+    ),
+    "channel_shuffle_3_groups": ((1, 12, 4, 5), [bn(), ("channel_shuffle", dict(groups=3))]),
     # the averaging divisor of a materialised pool holds over its own rows, not the output's
     "avgpool_exclude_pad_then_pool": (
         (1, 3, 12, 11),

@@ -225,33 +225,16 @@ class _Builder:
         return out
 
     def channel_shuffle_nhwc(self, chain: list[Node]) -> None:
-        """A channel shuffle of an "nhwc" value done in its own memory order: view it as
-        row-major (N,H,W,C), swap the group axes of C (the one copy), view the result as
-        (N,C,H,W) stored channels_last. The chain's last output keeps its name."""
+        """A channel shuffle of an "nhwc" value as one ``channel_shuffle`` node, its output
+        channels_last too: a gather over channels with loop semantics (it fuses with the
+        concat before it) instead of the chain's rank-5 views, which need the value in
+        NCHW order. The chain's last output keeps its name."""
         first, last = chain[0], chain[-1]
         x = self.current(first.inputs[0])
         t = self.values[x]
-        n, c, h, w = t.shape
         g = self.graph.values[first.outputs[0]].shape[1]
-        src, dt = first.source, t.dtype
-        base = first.name
-
-        def fresh(tag: str) -> str:
-            return self._fresh(f"{base}_{tag}")
-
-        nhwc = self._emit(fresh("as_nhwc"), "permute", (x,), fresh("v_nhwc"),
-                          TensorType((n, h, w, c), dt), src, dims=(0, 2, 3, 1))  # fmt: skip
-        grouped = self._emit(fresh("groups"), "reshape", (nhwc,), fresh("v_groups"),
-                             TensorType((n, h, w, g, c // g), dt), src,
-                             shape=(n, h, w, g, c // g))  # fmt: skip
-        swapped = self._emit(fresh("swap"), "permute", (grouped,), fresh("v_swap"),
-                             TensorType((n, h, w, c // g, g), dt), src,
-                             dims=(0, 1, 2, 4, 3))  # fmt: skip
-        merged = self._emit(fresh("merge"), "reshape", (swapped,), fresh("v_merge"),
-                            TensorType((n, h, w, c), dt), src, shape=(n, h, w, c))  # fmt: skip
-        self._emit(last.name, "permute", (merged,), last.outputs[0],
-                   TensorType((n, c, h, w), dt, "nhwc"), last.source,
-                   dims=(0, 3, 1, 2))  # fmt: skip
+        self._emit(last.name, "channel_shuffle", (x,), last.outputs[0],
+                   TensorType(t.shape, t.dtype, "nhwc"), first.source, groups=g)  # fmt: skip
 
     def _free_permute(self, n: Node) -> str | None:
         """The layout of a 4-d permute's output where it is a dense view of its input as
