@@ -238,3 +238,23 @@ def test_depthwise_conv_in_an_io_group_runs_through_onednn(cache):
     plan = build_plan(g, torch.device("cpu"), units, plan_memory=True)
     with torch.no_grad():
         torch.testing.assert_close(plan.run([x]), g.evaluate(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("shape", "src", "dst"),
+    [
+        ((2, 3, 9, 13), "nchw", "nhwc"),  # an image's 3 channels, HW past one block
+        ((1, 70, 5, 3), "nhwc", "nchw"),  # more channels than a block's positions
+        ((3, 5, 11, 12), "nchw", "nhwc"),
+        ((2, 1, 4, 70), "nhwc", "nchw"),
+    ],
+)
+def test_layout_conversion_alone_is_a_blocked_transposition(shape, src, dst, cache):
+    """A to_layout alone in its group renders as backends/x86/transpose.py's blocked
+    transposition (not the schedule's element loop) and equals PyTorch's conversion."""
+    from middleware.backends.x86.transpose import layout_copy
+
+    g = build_chain(shape, src, [("to_layout", dict(layout=dst))])
+    kernel = check_group(g, cache)
+    assert layout_copy(kernel.schedule) == (src, dst)
+    assert "blocked transposition" in kernel.source_path.read_text()

@@ -18,6 +18,7 @@ from ...loops import DIMS, Expr, Load, ParamVec
 from ...passes.schedule import Buffer, Loop, Schedule, Stage
 from .cfuncs import C_FUNCS, ISPC_FUNCS, c_expr, c_float
 from .cstage import StageWriter
+from .transpose import layout_copy, render_transpose
 from .vec512 import HELPERS as VEC_HELPERS
 from .vec512 import VecExpr
 from .window import PREFETCH_HINT
@@ -268,6 +269,9 @@ def render_c(
     least ``stream_min_bytes`` is written with non-temporal stores (the caller derives
     the threshold from ``Hardware``: the private caches of all cores); the pooling row
     passes prefetch with ``prefetch_hint`` (the caller's choice for the CPU's vendor)."""
+    if layout_copy(s) is not None:  # a to_layout alone: a blocked transposition
+        ident = {b: buffer_ident(b) for b in (*s.inputs, *s.outputs)}
+        return render_transpose(s, signature(s), ident)
     ctx = _Ctx(s)
     env = _common(s, ctx)
     decls, text = stages_c(s, ctx, stream_min_bytes, prefetch_hint)
