@@ -8,6 +8,8 @@ declared layout (``layout_mismatches``); and the structure (where conversions go
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -85,6 +87,28 @@ def test_small_net_same_outputs_and_contract(mode):
     # either memory format from the user gives the same result
     for a, b in zip(h.evaluate(x.contiguous(memory_format=CL)), g.evaluate(x), strict=True):
         _close(a, b)
+
+
+def test_input_within_l2_is_converted_before_the_conv():
+    """With a CPU's description, an input that fits its cores' L2 caches is converted to
+    channels_last first (the copy is still cached when the convolution reads it); a larger
+    one is read as NCHW by the convolution (no copy of the input)."""
+    from middleware.passes import DEFAULT_HARDWARE
+
+    g = _small_net()  # the input: 2x3x12x12 floats, 3456 bytes
+    small = assign_layout(g, DEFAULT_HARDWARE, layout="nhwc")
+    first = next(iter(small.nodes()))
+    assert first.op == "to_layout" and first.inputs[0] == "x"
+    assert "output_layout" not in small.node("c1").attrs
+    tiny_l2 = dataclasses.replace(DEFAULT_HARDWARE, l2_bytes=1024)
+    large = assign_layout(g, tiny_l2, layout="nhwc")
+    assert large.node("c1").inputs[0] == "x"
+    assert large.node("c1").attrs["output_layout"] == "nhwc"
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 12, 12)
+    for h in (small, large):
+        for a, b in zip(h.evaluate(x), g.evaluate(x), strict=True):
+            _close(a, b)
 
 
 def test_small_net_structure_nhwc():
