@@ -705,12 +705,13 @@ def test_spelling_lowers_to_op(op: str, make, shapes, tree_close) -> None:
 def test_every_catalogue_op_is_covered() -> None:
     """Every op of the catalogue is exercised by a frontend spelling above or a hand-built
     graph below (``fallback`` is covered by tests/test_frontend.py, ``to_layout`` — which
-    only the layout pass inserts — by tests/test_layout.py, ``pointwise_grad`` and
+    only the layout pass inserts — by tests/test_layout.py (``channel_shuffle`` too, and by
+    tests/test_fusion_ops.py), ``pointwise_grad`` and
     ``narrow`` — which only the backward rules emit — by tests/test_generated_backward.py,
     the pooling backward ops by tests/test_backward_pooling.py)."""
     by_spelling = {c[1] for c in CASES}
     by_hand = {"maxpool_relu", "conv2d", "linear"}
-    elsewhere = {"fallback", "to_layout", "pointwise_grad", "narrow"}
+    elsewhere = {"fallback", "to_layout", "pointwise_grad", "narrow", "channel_shuffle"}
     elsewhere |= {"pool_argmax", "max_pool2d_backward", "avg_pool2d_backward"}
     elsewhere |= {"adaptive_avg_pool2d_backward"}
     missing = set(CATALOGUE) - by_spelling - by_hand - elsewhere
