@@ -371,6 +371,61 @@ def _tile_decompose(
     return list(reversed(out))
 
 
+def _render(
+    template: str,
+    s: Schedule,
+    name: str,
+    launch: LaunchConfig,
+    emulate: bool,
+    out_extra: dict,
+    **env: object,
+) -> RenderedKernel:
+    """Render ``template`` with what every CUDA kernel template takes (the schedule's
+    description, helpers, constant vectors, input and output buffers, the launch) and
+    ``env``; the kernel's record."""
+    out = s.buffer(s.outputs[0])
+    ins = [s.buffer(n) for n in s.inputs]
+    source = (
+        environment()
+        .get_template(template)
+        .render(
+            kernel=name,
+            description=s.description,
+            helpers=HELPERS,
+            params=[
+                {"cname": param_ident(p.name), "size": len(p.data), "text": _param_text(p)}
+                for p in s.params
+            ],
+            inputs=[
+                {"cname": buffer_ident(b.name), "value": b.value, "type": str(tensor_type(b))}
+                for b in ins
+            ],
+            out={
+                "cname": buffer_ident(out.name),
+                "fname": function_ident(out.name),
+                "value": out.value,
+                "type": str(tensor_type(out)),
+                "order_text": ", ".join(DIMS[d] for d in ORDER[out.layout]),
+                **out_extra,
+            },
+            grid=launch.grid,
+            block=launch.block,
+            emulate=emulate,
+            **env,
+        )
+    )
+    return RenderedKernel(
+        name,
+        source,
+        tuple(b.value for b in ins),
+        (out.value,),
+        tuple(tensor_type(b) for b in ins),
+        (tensor_type(out),),
+        launch,
+        s,
+    )
+
+
 def _render_tiled(
     s: Schedule, plan: TilePlan, hardware: Hardware, emulate: bool, name: str
 ) -> RenderedKernel:
@@ -433,60 +488,30 @@ def _render_tiled(
         max(1, hardware.warp_size or 32) * WARPS_PER_BLOCK,
         out.elements,
     )
-    ins = [s.buffer(n) for n in s.inputs]
-    source = (
-        environment()
-        .get_template("kernel_tiled.cu.j2")
-        .render(
-            kernel=name,
-            description=s.description,
-            helpers=HELPERS,
-            params=[
-                {"cname": param_ident(p.name), "size": len(p.data), "text": _param_text(p)}
-                for p in s.params
-            ],
-            inputs=[
-                {"cname": buffer_ident(b.name), "value": b.value, "type": str(tensor_type(b))}
-                for b in ins
-            ],
-            out={
-                "cname": buffer_ident(out.name),
-                "fname": function_ident(out.name),
-                "value": out.value,
-                "type": str(tensor_type(out)),
-                "order_text": ", ".join(DIMS[d] for d in order),
-            },
-            source=plan.source,
-            staged=pr.expr(plan.staged),
-            body=pr.stage(plan.stage),
-            tile_text="x".join(str(plan.tile[d]) for d in range(4)),
-            region_text="x".join(str(plan.region[d]) for d in range(4)),
-            smem=plan.smem_floats,
-            tile_outputs=plan.tile_outputs,
-            load_iters=-(-plan.smem_floats // launch.block),
-            out_iters=-(-plan.tile_outputs // launch.block),
-            ntiles=ntiles,
-            tile_decompose=tile_dec,
-            first=first,
-            region_decompose=region_dec,
-            region_guard=" && ".join(region_guard),
-            out_decompose=out_dec,
-            out_guard=" && ".join(out_guard),
-            out_offset=offset,
-            grid=launch.grid,
-            block=launch.block,
-            emulate=emulate,
-        )
-    )
-    return RenderedKernel(
-        name,
-        source,
-        tuple(b.value for b in ins),
-        (out.value,),
-        tuple(tensor_type(b) for b in ins),
-        (tensor_type(out),),
-        launch,
+    return _render(
+        "kernel_tiled.cu.j2",
         s,
+        name,
+        launch,
+        emulate,
+        {},
+        source=plan.source,
+        staged=pr.expr(plan.staged),
+        body=pr.stage(plan.stage),
+        tile_text="x".join(str(plan.tile[d]) for d in range(4)),
+        region_text="x".join(str(plan.region[d]) for d in range(4)),
+        smem=plan.smem_floats,
+        tile_outputs=plan.tile_outputs,
+        load_iters=-(-plan.smem_floats // launch.block),
+        out_iters=-(-plan.tile_outputs // launch.block),
+        ntiles=ntiles,
+        tile_decompose=tile_dec,
+        first=first,
+        region_decompose=region_dec,
+        region_guard=" && ".join(region_guard),
+        out_decompose=out_dec,
+        out_guard=" && ".join(out_guard),
+        out_offset=offset,
     )
 
 
@@ -519,52 +544,22 @@ def render_schedule(
     big = total + ilp * launch.grid * launch.block >= 2**31 or any(
         b.elements >= 2**31 for b in s.buffers
     )
-    ins = [s.buffer(n) for n in s.inputs]
-    name = kernel_name(s, name)
-    source = (
-        environment()
-        .get_template("kernel.cu.j2")
-        .render(
-            kernel=name,
-            description=s.description,
-            helpers=HELPERS,
-            params=[
-                {"cname": param_ident(p.name), "size": len(p.data), "text": _param_text(p)}
-                for p in s.params
-            ],
-            inputs=[
-                {"cname": buffer_ident(b.name), "value": b.value, "type": str(tensor_type(b))}
-                for b in ins
-            ],
-            out={
-                "cname": buffer_ident(out.name),
-                "fname": function_ident(out.name),
-                "value": out.value,
-                "type": str(tensor_type(out)),
-                "order_text": ", ".join(DIMS[d] for d in order),
-                "decompose": _decompose(out.shape, order),
-                "ilp": [_ilp_element(out, order, k) for k in range(ilp)],
-                "calls": calls,
-            },
-            functions=functions,
-            total=total,
-            vec=vec,
-            ilp=ilp,
-            index_t="long long" if big else "int",
-            grid=launch.grid,
-            block=launch.block,
-            emulate=emulate,
-        )
-    )
-    return RenderedKernel(
-        name,
-        source,
-        tuple(b.value for b in ins),
-        (out.value,),
-        tuple(tensor_type(b) for b in ins),
-        (tensor_type(out),),
-        launch,
+    return _render(
+        "kernel.cu.j2",
         s,
+        kernel_name(s, name),
+        launch,
+        emulate,
+        {
+            "decompose": _decompose(out.shape, order),
+            "ilp": [_ilp_element(out, order, k) for k in range(ilp)],
+            "calls": calls,
+        },
+        functions=functions,
+        total=total,
+        vec=vec,
+        ilp=ilp,
+        index_t="long long" if big else "int",
     )
 
 
