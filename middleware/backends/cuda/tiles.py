@@ -274,7 +274,7 @@ def tile_plan(s: Schedule, hardware: Hardware) -> TilePlan | None:
         return None
     tile, region = chosen
     here = Load(source, tuple(Var(d) for d in DIMS))
-    staged_here = _at_element(staged, Load(source, index), here)
+    staged_here = _replace(staged, Load(source, index), here)
     stage = dataclasses.replace(
         st,
         expr=epilogue,
@@ -321,8 +321,3 @@ def _inline_pointwise(s: Schedule, body: Expr) -> Expr | None:
 
     out = substitute(body, inline)
     return None if failed else out
-
-
-def _at_element(e: Expr, windowed: Load, here: Load) -> Expr:
-    """``e`` with its windowed load read at the box element (n, c, h, w) instead."""
-    return substitute(e, lambda x: here if x == windowed else None)
