@@ -269,9 +269,10 @@ def render_c(
     least ``stream_min_bytes`` is written with non-temporal stores (the caller derives
     the threshold from ``Hardware``: the private caches of all cores); the pooling row
     passes prefetch with ``prefetch_hint`` (the caller's choice for the CPU's vendor)."""
-    if layout_copy(s) is not None:  # a to_layout alone: a blocked transposition
+    layouts = layout_copy(s)
+    if layouts is not None:  # a to_layout alone: a blocked transposition
         ident = {b: buffer_ident(b) for b in (*s.inputs, *s.outputs)}
-        return render_transpose(s, signature(s), ident)
+        return render_transpose(s, layouts, signature(s), ident)
     ctx = _Ctx(s)
     env = _common(s, ctx)
     decls, text = stages_c(s, ctx, stream_min_bytes, prefetch_hint)

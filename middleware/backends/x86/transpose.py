@@ -61,11 +61,11 @@ def layout_copy(s: Schedule) -> tuple[str, str] | None:
     return src.layout, dst.layout
 
 
-def render_transpose(s: Schedule, signature: str, ident: dict[str, str]) -> str:
-    """The C source of layout-copy schedule ``s`` (``layout_copy(s)`` is not None);
-    ``signature`` and ``ident`` (buffer name -> C identifier) as the C renderer's."""
-    layouts = layout_copy(s)
-    assert layouts is not None
+def render_transpose(
+    s: Schedule, layouts: tuple[str, str], signature: str, ident: dict[str, str]
+) -> str:
+    """The C source of layout-copy schedule ``s`` (``layouts``: what ``layout_copy(s)``
+    gave); ``signature`` and ``ident`` (buffer name -> C identifier) as the C renderer's."""
     n, c, h, w = s.buffer(s.inputs[0]).torch_shape
     inp, out = ident[s.inputs[0]], ident[s.outputs[0]]
     if layouts == ("nchw", "nhwc"):  # contiguous reads along HW, writes C apart
