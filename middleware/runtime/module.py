@@ -332,18 +332,16 @@ class OptimizedModule(nn.Module):
                     entry = repeat.entry
                     plan = entry.plan
                     self.__dict__["_latest"] = entry
-                    if _is_grad_enabled():
+                    grad = _is_grad_enabled()
+                    if grad:
                         _set_grad_enabled(False)
-                        try:
-                            return plan.run(inputs)
-                        except Exception as e:  # noqa: BLE001 - a plan bug must not reach the user
-                            return self._run_failed(inputs, repeat.sig, e)
-                        finally:
-                            _set_grad_enabled(True)
                     try:
                         return plan.run(inputs)
                     except Exception as e:  # noqa: BLE001 - a plan bug must not reach the user
                         return self._run_failed(inputs, repeat.sig, e)
+                    finally:
+                        if grad:
+                            _set_grad_enabled(True)
         try:
             dense_inputs, sig = dense_signature(inputs)
         except AttributeError:  # an input that is not a tensor
