@@ -23,6 +23,22 @@ from middleware.ops import CATALOGUE, infer_types
 from middleware.passes.schedule import schedule_group
 from middleware.passes.schedule_ir import Schedule
 
+
+def gpu_skip_reason() -> str:
+    """Why the GPU tests cannot run here ("" when they can): no CUDA device, no kernel
+    loader (pycuda or cuda-python) or no CUDA compiler (nvcc or NVRTC)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from middleware.backends.cuda.build import find_nvcc, nvrtc_available
+    from middleware.backends.cuda.loader import available_loaders
+
+    if not available_loaders():
+        return "no CUDA kernel loader (pip install 'middleware[cuda]' or cuda-python)"
+    if find_nvcc() is None and not nvrtc_available():
+        return "no CUDA compiler (nvcc or NVRTC)"
+    return ""
+
+
 # A GPU description for rendering without a GPU (an H100-like part, small enough figures
 # that the emulated grids stay short).
 FAKE_GPU = Hardware(

@@ -10,23 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from cuda_cases import CASES, LAYOUTS, inputs_for, kernel_args, special_inputs
+from cuda_cases import CASES, LAYOUTS, gpu_skip_reason, inputs_for, kernel_args, special_inputs
 
-
-def _why_skip() -> str:
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    from middleware.backends.cuda.build import find_nvcc, nvrtc_available
-    from middleware.backends.cuda.loader import available_loaders
-
-    if not available_loaders():
-        return "no CUDA kernel loader (pip install 'middleware[cuda]' or cuda-python)"
-    if find_nvcc() is None and not nvrtc_available():
-        return "no CUDA compiler (nvcc or NVRTC)"
-    return ""
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_why_skip()), reason=_why_skip())]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(bool(gpu_skip_reason()), reason=gpu_skip_reason()),
+]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from cuda_cases import (
     FAKE_GPU,
     Builder,
     avg_attrs,
+    gpu_skip_reason,
     inputs_for,
     kernel_args,
     pool_attrs,
@@ -189,21 +190,8 @@ def test_windows_over_a_reduction_or_a_concat_keep_the_flat_form():
     assert "s_tile" not in render.render_schedule(s, ONE_SM).source
 
 
-def _gpu_skip() -> str:
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    from middleware.backends.cuda.build import find_nvcc, nvrtc_available
-    from middleware.backends.cuda.loader import available_loaders
-
-    if not available_loaders():
-        return "no CUDA kernel loader"
-    if find_nvcc() is None and not nvrtc_available():
-        return "no CUDA compiler (nvcc or NVRTC)"
-    return ""
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(bool(_gpu_skip()), reason=_gpu_skip())
+@pytest.mark.skipif(bool(gpu_skip_reason()), reason=gpu_skip_reason())
 @pytest.mark.parametrize("budget", sorted(BUDGETS))
 def test_tiled_windows_on_the_gpu(budget, tmp_path):
     """The same random cases on a real GPU (real barriers and shared memory, the device's
