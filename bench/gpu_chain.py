@@ -167,11 +167,16 @@ def main(argv: list[str] | None = None) -> int:
                 fns["compile_cl"] = lambda: compiled_cl(x_cl)
             except Exception as exc:  # noqa: BLE001 - record and go on with the other modes
                 info["compile_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+
+        def steps(m: nn.Module, inp: torch.Tensor) -> nn.Module:
+            """``m`` optimized for ``inp``, its plan run step by step."""
+            return middleware.optimize(
+                m, device="cuda", example_inputs=(inp,), cache_dir=cache, cuda_graphs=False
+            )
+
         try:  # step by step, and (the default) replayed as one CUDA graph
             t0 = time.perf_counter()
-            opt = middleware.optimize(
-                model, device="cuda", example_inputs=(x,), cache_dir=cache, cuda_graphs=False
-            )
+            opt = steps(model, x)
             torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
             info["optimize_seconds"] = round(time.perf_counter() - t0, 1)
             info["report"] = str(opt.report())
@@ -187,23 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             info["default_notes"] = list(auto.report().notes)
             info["default_chose"] = getattr(auto.plan, "chosen", None)
             fns["middleware_default"] = lambda: auto(x)
-            opt_cl = middleware.optimize(
-                model_cl,
-                device="cuda",
-                example_inputs=(x_cl,),
-                cache_dir=cache,
-                cuda_graphs=False,
-            )
+            opt_cl = steps(model_cl, x_cl)
             torch.testing.assert_close(opt_cl(x_cl), model(x), rtol=1e-5, atol=1e-5)
             fns["middleware_cl"] = lambda: opt_cl(x_cl)
             with tiled(False):  # the flat kernel (one thread per output) through optimize()
-                flat = middleware.optimize(
-                    model,
-                    device="cuda",
-                    example_inputs=(x,),
-                    cache_dir=cache,
-                    cuda_graphs=False,
-                )
+                flat = steps(model, x)
             torch.testing.assert_close(flat(x), model(x), rtol=1e-5, atol=1e-5)
             fns["middleware_flat"] = lambda: flat(x)
         except Exception as exc:  # noqa: BLE001

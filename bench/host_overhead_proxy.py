@@ -34,12 +34,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+from cuda_cases import FAKE_GPU  # noqa: E402
+from gpu_chain import Chain  # noqa: E402
+
 import middleware  # noqa: E402
 from middleware.backends.cuda.backend import CudaBackend  # noqa: E402
 from middleware.backends.cuda.kernel import GeneratedKernel  # noqa: E402
 from middleware.backends.cuda.units import cuda_units  # noqa: E402
-from middleware.hardware import Hardware  # noqa: E402
 from middleware.options import Options  # noqa: E402
 from middleware.passes import run_passes  # noqa: E402
 from middleware.runtime import planned_steps  # noqa: E402
@@ -47,31 +50,8 @@ from middleware.runtime.module import Compiled, OptimizedModule  # noqa: E402
 from middleware.runtime.plan import build_plan  # noqa: E402
 from middleware.runtime.report import make_report  # noqa: E402
 
-# an H100-like part (tests/cuda_cases.FAKE_GPU)
-GPU = Hardware(
-    kind="cuda",
-    name="proxy-gpu",
-    cores=132,
-    simd_bytes=128,
-    l1_bytes=256 * 1024,
-    l2_bytes=50 * 1024 * 1024,
-    l3_bytes=0,
-    peak_gflops=60000.0,
-    bandwidth_gbs=3000.0,
-    warp_size=32,
-    shared_mem_bytes=227 * 1024,
-    arch="sm_90",
-)
-
-
-class Chain(nn.Module):  # bench/gpu_chain.Chain
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.bn = nn.BatchNorm2d(c)
-        self.pool = nn.MaxPool2d(3, 2, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pool(torch.relu(self.bn(x)))
+# the tests' H100-like part, with an H100's 132 multiprocessors (launch grids as on the GPU)
+GPU = dataclasses.replace(FAKE_GPU, name="proxy-gpu", cores=132)
 
 
 class NoLaunch:
