@@ -446,24 +446,46 @@ def adaptive_avg_pool_loops(graph: Graph, node: Node) -> OpLoops:
     )
 
 
-def mean_loops(graph: Graph, node: Node) -> OpLoops:
-    """A mean over dims that sit in the logical ``h``/``w`` (both spatial dims of a map, or
-    the last dim of a rank-3 token sequence, LayerNorm's statistics): an adaptive sum window
-    to extent 1 there, divided by the count."""
+def _dims_reduction(graph: Graph, node: Node, what: str) -> tuple[str, tuple[Window, ...]]:
+    """The input and the adaptive windows (to extent 1) of a reduction over ``dims`` that
+    sit in the logical ``h``/``w`` (both spatial dims of a map, the last dim of a token
+    sequence or of attention scores); NotFusable for any other dims."""
     x = node.inputs[0]
     xt = graph.values[x]
     dims = sorted({d % xt.rank for d in node.attrs["dims"]})
     places = logical_dims(xt.rank)
     reduced = {places[d] for d in dims}
     if not dims or not reduced <= {2, 3}:
-        raise NotFusable(f"mean over dims {dims} of a rank {xt.rank} value")
+        raise NotFusable(f"{what} over dims {dims} of a rank {xt.rank} value")
     in4 = logical4(xt)
     want = tuple(1 if d in reduced else s for d, s in enumerate(in4))
     if _out4(graph, node) != want:
-        raise NotFusable(f"mean over dims {dims} of a rank {xt.rank} value moves its output dims")
-    wins = _adaptive_windows(in4, want)
+        raise NotFusable(f"{what} over dims {dims} of a rank {xt.rank} value moves its output dims")
+    return x, _adaptive_windows(in4, want)
+
+
+def mean_loops(graph: Graph, node: Node) -> OpLoops:
+    """A mean over dims that sit in the logical ``h``/``w`` (both spatial dims of a map, or
+    the last dim of a rank-3 token sequence, LayerNorm's statistics): an adaptive sum window
+    to extent 1 there, divided by the count."""
+    x, wins = _dims_reduction(graph, node, "mean")
     return OpLoops(
         "reduce", Acc(), body=window_load(x, wins), reduce="sum", windows=wins, divisor="valid"
+    )
+
+
+def sum_loops(graph: Graph, node: Node) -> OpLoops:
+    """A sum over dims in the logical ``h``/``w``, as :func:`mean_loops` without the division."""
+    x, wins = _dims_reduction(graph, node, "sum")
+    return OpLoops("reduce", Acc(), body=window_load(x, wins), reduce="sum", windows=wins)
+
+
+def amax_loops(graph: Graph, node: Node) -> OpLoops:
+    """A max over dims in the logical ``h``/``w`` (softmax's row max): NaN-propagating, as
+    ``torch.amax`` is."""
+    x, wins = _dims_reduction(graph, node, "amax")
+    return OpLoops(
+        "reduce", Acc(), body=window_load(x, wins), reduce="max", init=-math.inf, windows=wins
     )
 
 

@@ -345,9 +345,10 @@ def _hardsigmoid_(x: torch.Tensor) -> torch.Tensor:
     return F.hardsigmoid(x, inplace=True)
 
 
-# sqrt and rsqrt (LayerNorm's statistics, ``F.normalize``-style code): elementwise, their
-# backward from the output as in PyTorch's derivatives (sqrt: gy / (2 y); rsqrt:
-# -0.5 gy y^3). rsqrt is 1 / sqrt(x), as ATen's vectorised kernel computes it.
+# exp (softmax's definition), sqrt and rsqrt (LayerNorm's statistics, ``F.normalize``-style
+# code): elementwise, their backward from the output as in PyTorch's derivatives (exp:
+# gy * y; sqrt: gy / (2 y); rsqrt: -0.5 gy y^3). rsqrt is 1 / sqrt(x), as ATen's
+# vectorised kernel computes it.
 def _sqrt_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
     return call("sqrt", x)
 
@@ -365,6 +366,18 @@ def _rsqrt_grad(attrs: Mapping[str, Any], x: Expr, gy: Expr) -> Expr:
     return _mul(_c(-0.5), gy, _mul(y, y, y))
 
 
+def _exp_expr(attrs: Mapping[str, Any], x: Expr) -> Expr:
+    return call("exp", x)
+
+
+def _exp_grad(attrs: Mapping[str, Any], x: Expr, gy: Expr) -> Expr:
+    return call("mul", gy, call("exp", x))
+
+
+def _exp_backward(gy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return gy * y
+
+
 def _sqrt_backward(gy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return gy / (2 * y)
 
@@ -375,6 +388,7 @@ def _rsqrt_backward(gy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 _SQRT_GRAD = PointwiseGrad(_sqrt_grad, _of_output(torch.sqrt, _sqrt_backward), 3.0)
 _RSQRT_GRAD = PointwiseGrad(_rsqrt_grad, _of_output(torch.rsqrt, _rsqrt_backward), 5.0)
+_EXP_GRAD = PointwiseGrad(_exp_grad, _of_output(torch.exp, _exp_backward), 2.0)
 
 
 # (name, reference, FLOPs per element, scalar semantics, in-place form, out= form,
@@ -419,6 +433,7 @@ for _name, _fn, _flops, _expr, _inplace, _out, _onednn, _grad in (
     ),
     ("sqrt", torch.sqrt, 2.0, _sqrt_expr, torch.sqrt_, torch.sqrt, None, _SQRT_GRAD),
     ("rsqrt", torch.rsqrt, 2.0, _rsqrt_expr, torch.rsqrt_, torch.rsqrt, None, _RSQRT_GRAD),
+    ("exp", torch.exp, 1.0, _exp_expr, torch.exp_, torch.exp, None, _EXP_GRAD),
 ):
     register(
         OpDef(

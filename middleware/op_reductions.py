@@ -6,7 +6,7 @@ and the resampling ``interpolate`` (nearest and bilinear)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -992,3 +992,51 @@ register(
         grad=_spatial_mean_grad,
     )
 )
+
+
+def _dims_kernel(fn: Any) -> Callable[[Node], Kernel]:
+    """``fn(x, dims, keepdim)`` (torch.sum, torch.amax) with the node's dims."""
+
+    def make(node: Node) -> Kernel:
+        dims, keep = tuple(node.attrs["dims"]), bool(node.attrs["keepdim"])
+
+        def reduce(x):
+            return fn(x, dims, keep)
+
+        return reduce
+
+    return make
+
+
+def _dims_out(fn: Any) -> OutVariant:
+    def make(node: Node, graph: Graph) -> OutForm:
+        dims, keep = tuple(node.attrs["dims"]), bool(node.attrs["keepdim"])
+
+        def reduce_out(x, o):
+            fn(x, dims, keep, out=o)
+
+        return reduce_out, ()
+
+    return OutVariant(make)
+
+
+# sum and amax over ``dims`` (attrs as for mean): softmax's definition (the decomposition
+# in passes/decompose_softmax.py) and user code. No backward rule: in training, a group
+# holding one recomputes its backward through PyTorch.
+for _name, _fn, _loops in (
+    ("sum", torch.sum, loops.sum_loops),
+    ("amax", torch.amax, loops.amax_loops),
+):
+    register(
+        OpDef(
+            _name,
+            Bound.IO,
+            _dims_kernel(_fn),
+            flops_fn=reduce_flops,
+            loops=_loops,
+            per_sample=True,
+            layout_preserving=True,
+            layout_preserving_if=_over_space,
+            out=_dims_out(_fn),
+        )
+    )

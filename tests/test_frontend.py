@@ -45,7 +45,7 @@ class UnknownModule(nn.Module):
 class UnknownFunction(nn.Module):
     def forward(self, x):  # noqa: ANN001, ANN201
         y = torch.cumsum(torch.relu(x), 3)
-        return torch.exp(torch.clamp(y, min=-1.0, max=0.5)) + 1
+        return torch.expm1(torch.clamp(y, min=-1.0, max=0.5)) + 1
 
 
 class UnknownMethod(nn.Module):
@@ -66,7 +66,7 @@ class UnknownMethod(nn.Module):
         (
             UnknownFunction,
             (2, 3, 5, 7),
-            {"cumsum": "cumsum", "clamp": "clamp", "exp": "exp"},
+            {"cumsum": "cumsum", "clamp": "clamp", "expm1": "expm1"},
         ),
         (
             UnknownMethod,
@@ -128,13 +128,13 @@ def test_fallback_with_kwargs_and_nested_arguments(tree_close) -> None:
     class Model(nn.Module):
         def forward(self, x, y):  # noqa: ANN001, ANN201
             s = torch.stack([x, y.relu()], dim=1)  # a list argument holding two values
-            return torch.where(x > 0, x, y), s.sum(dim=1, keepdim=False)
+            return torch.where(x > 0, x, y), s.prod(dim=1, keepdim=False)
 
     model = Model().eval()
     x, y = torch.randn(3, 5), torch.randn(3, 5)
     optimized = middleware.optimize(model)
     tree_close(optimized(x, y), model(x, y), OPT_RTOL, OPT_ATOL)
-    assert {"stack", "where", "gt", "sum_1"} <= set(_fallback_rows(optimized))
+    assert {"stack", "where", "gt", "prod"} <= set(_fallback_rows(optimized))
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,7 @@ ACTIVATIONS: list[tuple[str, dict[str, Any]]] = [
     ("hardshrink", {"lambd": 0.5}),
     ("sqrt", {}),
     ("rsqrt", {}),
+    ("exp", {}),
 ]
 IDS = [f"{op}-{'-'.join(str(v) for v in a.values())}" if a else op for op, a in ACTIVATIONS]
 SPECIAL = [math.nan, math.inf, -math.inf, 0.0, -0.0, 3.0, -3.0, 6.0, 0.5, -0.5, 1.0, -1.0]

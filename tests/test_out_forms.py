@@ -47,6 +47,8 @@ ATTRS = {
     "adaptive_avg_pool2d": {"output_size": (2, 3)},
     "adaptive_max_pool2d": {"output_size": (2, 3)},
     "mean": {"dims": (2, 3), "keepdim": True},
+    "sum": {"dims": (3,), "keepdim": True},
+    "amax": {"dims": (2, 3), "keepdim": True},
     "cat": {"dim": 1},
     "softmax": {"dim": 1},
     "log_softmax": {"dim": 1},

@@ -299,25 +299,36 @@ def _r_split(low, fxn, fn, args, kwargs):
     return "split", [x], {"split_sizes": sizes, "dim": dim}, False
 
 
-def _r_mean(low, fxn, fn, args, kwargs):
-    b = bind(
-        args,
-        kwargs,
-        [("input", REQUIRED), ("dim", None), ("keepdim", False), ("dtype", None)],
-        "mean",
-    )
-    if b["dtype"] is not None:
-        raise Unsupported("mean with a dtype")
-    x = tensor_arg(b["input"], "mean input")
-    r = rank_of(low, x)
-    dim = b["dim"]
-    dims = tuple(range(r)) if dim is None else ((dim,) if isinstance(dim, int) else tuple(dim))
-    return (
-        "mean",
-        [x],
-        {"dims": tuple(sorted(norm_dim(d, r) for d in dims)), "keepdim": bool(b["keepdim"])},
-        False,
-    )
+def _r_dims(op: str, all_dims: object):
+    """torch.mean / torch.sum / torch.amax and their methods: ``dim`` (``all_dims``, None
+    or (), for every dim), ``keepdim`` and no ``dtype``."""
+
+    def rule(low, fxn, fn, args, kwargs):
+        spec = [("input", REQUIRED), ("dim", all_dims), ("keepdim", False)]
+        if op != "amax":
+            spec.append(("dtype", None))
+        b = bind(args, kwargs, spec, op)
+        if b.get("dtype") is not None:
+            raise Unsupported(f"{op} with a dtype")
+        x = tensor_arg(b["input"], f"{op} input")
+        r = rank_of(low, x)
+        dim = b["dim"]
+        dims = (
+            tuple(range(r))
+            if dim is None or dim == ()
+            else ((dim,) if isinstance(dim, int) else tuple(dim))
+        )
+        return (
+            op,
+            [x],
+            {"dims": tuple(sorted(norm_dim(d, r) for d in dims)), "keepdim": bool(b["keepdim"])},
+            False,
+        )
+
+    return rule
+
+
+_r_mean = _r_dims("mean", None)
 
 
 def _r_identity(low, fxn, fn, args, kwargs):
@@ -395,6 +406,7 @@ FUNCTION_RULES: dict[Any, Any] = {
     torch.tanh: _f("tanh", [_X]),
     torch.sqrt: _f("sqrt", [_X]),
     torch.rsqrt: _f("rsqrt", [_X]),
+    torch.exp: _f("exp", [_X]),
     F.tanh: _f("tanh", [_X]),
     F.silu: _f("silu", [_X, _INPLACE]),
     F.hardswish: _f("hardswish", [_X, _INPLACE]),
@@ -437,6 +449,8 @@ FUNCTION_RULES: dict[Any, Any] = {
     torch.chunk: _r_split,
     torch.split: _r_split,
     torch.mean: _r_mean,
+    torch.sum: _r_dims("sum", None),
+    torch.amax: _r_dims("amax", ()),
     torch.add: _r_binary("add"),
     torch.sub: _r_binary("sub"),
     torch.mul: _r_binary("mul"),
@@ -462,6 +476,8 @@ METHOD_RULES: dict[str, Any] = {
     "sqrt_": _f("sqrt", [_X], inplace_name=True),
     "rsqrt": _f("rsqrt", [_X]),
     "rsqrt_": _f("rsqrt", [_X], inplace_name=True),
+    "exp": _f("exp", [_X]),
+    "exp_": _f("exp", [_X], inplace_name=True),
     "softmax": _f("softmax", [_X, ("dim", None), ("dtype", None)], _softmax_attrs),
     "log_softmax": _f("log_softmax", [_X, ("dim", None), ("dtype", None)], _softmax_attrs),
     "matmul": _r_matmul,
@@ -478,6 +494,8 @@ METHOD_RULES: dict[str, Any] = {
     "chunk": _r_split,
     "split": _r_split,
     "mean": _r_mean,
+    "sum": _r_dims("sum", None),
+    "amax": _r_dims("amax", ()),
     "add": _r_binary("add"),
     "sub": _r_binary("sub"),
     "mul": _r_binary("mul"),

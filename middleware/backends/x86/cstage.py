@@ -37,7 +37,7 @@ import numpy as np
 
 from ...index_expr import Int, Ix, Op, Var, evaluate, to_c, variables
 from ...loops import DIMS, EXPENSIVE_FUNCTIONS, Acc, Call, Const, Expr, Load, ParamVec, leaves
-from ...passes.schedule_ir import ORDER, Loop, Schedule, Stage
+from ...passes.schedule_ir import ORDER, Loop, Reduction, Schedule, Stage
 from . import window
 from .cfuncs import C_FUNCS, c_expr
 from .vec512 import LANES, Unsupported, VecExpr, prefetch, stride_of
@@ -807,8 +807,8 @@ class StageWriter:
         red = st.reduction
         assert red is not None
         inner = st.inner
-        if red.op == "sum" and red.point_loops and self.tidy(inner.lo) == self.tidy(inner.hi):
-            self.border(st, expr, d, self.tidy(inner.lo), self.tidy(inner.hi), simd_sum=True)
+        if red.point_loops and self.tidy(inner.lo) == self.tidy(inner.hi):
+            self.border(st, expr, d, self.tidy(inner.lo), self.tidy(inner.hi), simd=True)
             return
         self.emit(d, f"const int acc0 = {self.tidy(inner.lo)};")
         self.emit(d, "#pragma omp simd")
@@ -849,29 +849,103 @@ class StageWriter:
             self.border(st, expr, d + 1, f"max(lo_{v}, {b + 1})", f"hi_{v}")
         self.emit(d, "}")
 
-    def border(
-        self, st: Stage, expr: Expr, d: int, lo: str, hi: str, simd_sum: bool = False
-    ) -> None:
+    def border(self, st: Stage, expr: Expr, d: int, lo: str, hi: str, simd: bool = False) -> None:
         """Each output point of ``lo..hi`` on its own: its window's taps, then the epilogue.
-        ``simd_sum``: the innermost window loop is a SIMD sum reduction (reassociated, as
-        ATen's vectorised sums are) into a double: the row sums of a LayerNorm over two
+        ``simd``: the innermost window loop is a SIMD reduction. A sum is reassociated, as
+        ATen's vectorised sums are, into a double: the row sums of a LayerNorm over two
         dims add up rows of large partial sums, which in float drifted to 5x ATen's
-        (cascade-summed) error from the float64 result on rows of a large mean."""
+        (cascade-summed) error from the float64 result on rows of a large mean. A max or
+        min is x86's max per lane plus a flag of any NaN seen (the result is then NaN, as
+        ``torch.amax`` gives): softmax's row max, a global max-pool in NCHW."""
         red = st.reduction
         assert red is not None
         self.emit(d, self.for_line(st.inner.var, lo, hi) + " {")
-        acc_type = "double" if simd_sum else "float"
+        acc_type = "double" if simd and red.op == "sum" else "float"
         self.emit(d + 1, f"{acc_type} a = {self.c_float(red.init)};")
+        minmax = simd and red.op in ("max", "min")
+        if minmax:
+            self.emit(d + 1, "int any_nan = 0;")
+        vector = self.vector_row(red, d + 1) if simd else False
         self.open_loops(red.point_loops[:-1], d + 1)
-        if simd_sum:
-            self.emit(d + len(red.point_loops), "#pragma omp simd reduction(+:a)")
-        self.open_loops(red.point_loops[-1:], d + len(red.point_loops))
         d2 = d + 1 + len(red.point_loops)
-        self.emit(d2, f"a = {self._accumulate(red.op, 'a', self.expr(red.body))};")
+        body = self.expr(red.body)
+        if minmax:
+            self.emit(d2 - 1, f"#pragma omp simd reduction({red.op}:a) reduction(|:any_nan)")
+            self.open_loops(red.point_loops[-1:], d2 - 1)
+            cmp = ">" if red.op == "max" else "<"
+            self.emit(d2, "{")
+            self.emit(d2 + 1, f"const float x_ = {body};")
+            self.emit(d2 + 1, f"a = a {cmp} x_ ? a : x_;")
+            self.emit(d2 + 1, "any_nan |= x_ != x_;")
+            self.emit(d2, "}")
+        else:
+            if simd:
+                self.emit(d2 - 1, "#pragma omp simd reduction(+:a)")
+            self.open_loops(red.point_loops[-1:], d2 - 1)
+            self.emit(d2, f"a = {self._accumulate(red.op, 'a', body)};")
         self.close_loops(len(red.point_loops), d + 1)
-        self.emit(d + 1, f"const float acc_v = {self._divide(st, 'a', None)};")
+        if vector:
+            self.emit(0, "#endif")
+        value = "(any_nan ? NAN : a)" if minmax else "a"
+        self.emit(d + 1, f"const float acc_v = {self._divide(st, value, None)};")
         self.emit(d + 1, self.store(st, self.expr(expr)))
         self.emit(d, "}")
+
+    def vector_row(self, red: Reduction, d: int) -> bool:
+        """The AVX-512 form of a row reduction to one value (``border``'s ``simd``): chunks
+        of 16 lanes of the innermost window loop, the last one masked (gcc's loop leaves
+        up to 15 scalar iterations per row: a 197-long row of attention scores spent as
+        long in them as in its 12 vector ones). A sum adds the lanes in double, in two
+        vectors of 8; a max/min keeps a vector of lane maxima and a mask of the lanes that
+        saw a NaN. Writes the ``#ifdef __AVX512F__`` branch and the ``#else`` (the caller
+        writes the portable loops and the ``#endif``); False, writing nothing, when the
+        body has no AVX-512 spelling."""
+        if self.vec is None or self.s.simd_floats != LANES or red.op not in _IDENTITY:
+            return False
+        lp = red.point_loops[-1]
+        v = self.vec(lp.var, f"{lp.var}0_", self.rows, self.scalars)
+        try:
+            x = v.expr(red.body)
+        except Unsupported:
+            return False
+        self.emit(0, "#ifdef __AVX512F__")
+        if red.op == "sum":
+            self.emit(d, "__m512d s0_ = _mm512_setzero_pd(), s1_ = _mm512_setzero_pd();")
+        else:
+            self.emit(d, f"__m512 m_ = _mm512_set1_ps({self.c_float(red.init)});")
+            self.emit(d, "__mmask16 nan_ = 0;")
+        self.open_loops(red.point_loops[:-1], d)
+        dd = d + len(red.point_loops) - 1
+        self.emit(dd, "{")
+        self.emit(
+            dd + 1,
+            f"const int lo_{lp.var}_ = {self.tidy(lp.lo)}, hi_{lp.var}_ = {self.tidy(lp.hi)};",
+        )
+        self.chunk_loop(dd + 1, v, f"lo_{lp.var}_", f"hi_{lp.var}_")
+        if red.op == "sum":
+            self.emit(dd + 2, f"const __m512 x_ = _mm512_maskz_mov_ps(mk, {x});")
+            self.emit(
+                dd + 2, "s0_ = _mm512_add_pd(s0_, _mm512_cvtps_pd(_mm512_castps512_ps256(x_)));"
+            )
+            self.emit(
+                dd + 2,
+                "s1_ = _mm512_add_pd(s1_, _mm512_cvtps_pd(_mm256_castpd_ps("
+                "_mm512_extractf64x4_pd(_mm512_castps_pd(x_), 1))));",
+            )
+        else:
+            self.emit(dd + 2, f"const __m512 x_ = {x};")
+            self.emit(dd + 2, "nan_ |= _mm512_mask_cmp_ps_mask(mk, x_, x_, _CMP_UNORD_Q);")
+            self.emit(dd + 2, f"m_ = _mm512_mask_{red.op}_ps(m_, mk, m_, x_);")
+        self.emit(dd + 1, "}")
+        self.emit(dd, "}")
+        self.close_loops(len(red.point_loops) - 1, d)
+        if red.op == "sum":
+            self.emit(d, "a += _mm512_reduce_add_pd(_mm512_add_pd(s0_, s1_));")
+        else:
+            self.emit(d, f"a = _mm512_reduce_{red.op}_ps(m_);")
+            self.emit(d, "any_nan = nan_ != 0;")
+        self.emit(0, "#else")
+        return True
 
     def middle(self, st: Stage, expr: Expr, interior: Interior, d: int, lo: str, hi: str) -> None:
         red = st.reduction

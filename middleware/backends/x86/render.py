@@ -16,7 +16,7 @@ import jinja2
 from ...index_expr import Ix, Op, Var, to_c
 from ...loops import DIMS, Expr, Load, ParamVec
 from ...passes.schedule import Buffer, Loop, Schedule, Stage
-from .cfuncs import C_FUNCS, ISPC_FUNCS, c_expr, c_float
+from .cfuncs import C_FUNCS, ISPC_FUNCS, SCALAR_HELPERS, c_expr, c_float
 from .cstage import StageWriter
 from .transpose import layout_copy, render_transpose
 from .vec512 import HELPERS as VEC_HELPERS
@@ -28,13 +28,15 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 @functools.cache
 def environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=False,
         lstrip_blocks=False,
     )
+    env.globals["scalar_helpers"] = SCALAR_HELPERS
+    return env
 
 
 # Every identifier taken from the user's graph (value and layer names) gets its own

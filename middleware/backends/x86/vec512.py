@@ -9,8 +9,9 @@ or written outside the range). Loads by the stride of ``v`` in their address: 0 
 broadcast, 1 a masked load, 2 two loads and a ``vpermt2ps`` (stride-2 windows of NCHW
 pooling), anything else a masked gather. Functions: the arithmetic, max/min with
 PyTorch's NaN semantics (a NaN operand wins; against a constant one ``vmaxps``, whose
-second operand wins on NaN), neg, abs, the conditions and select. An expression with
-another function (exp, sigmoid, tanh, erf, log, ...) or an index that is not affine in
+second operand wins on NaN), neg, abs, exp and sigmoid (the scalar ``mw_expf``'s steps,
+``cfuncs.SCALAR_HELPERS``), the conditions and select. An expression with another
+function (tanh, erf, log, ...) or an index that is not affine in
 ``v`` is not written here (:class:`Unsupported`): the caller keeps gcc's loop.
 
 The generated code carries both: ``#ifdef __AVX512F__`` this, ``#else`` the portable loop.
@@ -41,6 +42,33 @@ static inline __m512 mw_vmin(__m512 a, __m512 b) {
 }
 static inline __m512 mw_vneg(__m512 a) {
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000u)));
+}
+/* mw_expf of 16 lanes (the scalar helper's steps, written with FMAs) */
+static inline __m512 mw_vexp(__m512 x) {
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+  /* x86 max/min return their second operand on NaN: put the NaN back */
+  const __m512 xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), xc, x);
+  const __m512 t = _mm512_fmadd_ps(xn, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f));
+  const __m512 n = _mm512_sub_ps(t, _mm512_set1_ps(12582912.0f));
+  const __m512i ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xn);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
+  const __m512i bias = _mm512_set1_epi32(127);
+  const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
+  const __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
+  return _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+}
+static inline __m512 mw_vsigmoid(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  return _mm512_div_ps(one, _mm512_add_ps(one, mw_vexp(mw_vneg(x))));
 }
 static inline __m512 mw_vbool(__mmask16 m) { return _mm512_maskz_mov_ps(m, _mm512_set1_ps(1.0f)); }
 /* C's truth of a float: nonzero, NaN included */
@@ -255,6 +283,8 @@ class VecExpr:
             return f"mw_v{fn}({self.expr(a, acc)}, {self.expr(b, acc)})"
         if fn == "neg":
             return f"mw_vneg({self.expr(args[0], acc)})"
+        if fn in ("exp", "sigmoid"):
+            return f"mw_v{fn}({self.expr(args[0], acc)})"
         if fn == "abs":
             return f"_mm512_abs_ps({self.expr(args[0], acc)})"
         if fn in _CMP:
