@@ -232,7 +232,7 @@ def compile_graph(
     off = passes_off(options) if passes_off is not None else ()
     if not options.fuse:
         # its pieces fuse or are slower than the one ATen call they replace
-        off = (*off, "decompose_layer_norm")
+        off = (*off, "decompose_layer_norm", "decompose_softmax")
     pass_options = (
         dataclasses.replace(
             options, disable_passes=tuple(dict.fromkeys((*options.disable_passes, *off)))

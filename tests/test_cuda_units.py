@@ -333,7 +333,7 @@ def test_shared_weights_keep_no_copy(layout, tmp_path):
         )
         off = backend.passes_off(options)
         shared = ("fold_batchnorm",) if mode == "share" else ()
-        assert off == ("decompose_layer_norm", *shared)
+        assert off == ("decompose_layer_norm", "decompose_softmax", *shared)
         passes = dataclasses.replace(options, disable_passes=off)  # as compile_graph does
         graph = backend.lower(run_passes(middleware.trace(model, x), passes, FAKE_GPU), options)
         units = cuda_units(graph, options, FAKE_GPU, torch.device("cpu"), emulate=True)

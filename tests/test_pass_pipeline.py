@@ -16,6 +16,7 @@ from middleware.options import Options
 EXPECTED = [
     "canonicalize",
     "decompose_layer_norm",
+    "decompose_softmax",
     "fold_batchnorm",
     "merge_concat",
     "pool_before_concat",
@@ -94,22 +95,23 @@ def test_disable_passes_and_debug_dir(tmp_path):
         "000_input.txt",
         "001_canonicalize.txt",
         "002_decompose_layer_norm.txt",
-        "004_merge_concat.txt",
-        "005_pool_before_concat.txt",
-        "007_fuse_vendor_epilogue.txt",
-        "008_layout.txt",
-        "009_classify.txt",
-        "010_group.txt",
+        "003_decompose_softmax.txt",
+        "005_merge_concat.txt",
+        "006_pool_before_concat.txt",
+        "008_fuse_vendor_epilogue.txt",
+        "009_layout.txt",
+        "010_classify.txt",
+        "011_group.txt",
     ]
     ops = [n.op for n in om.graph.nodes()]
     assert "batch_norm" in ops and "maxpool_relu" not in ops
-    assert "[io g" in (debug / "010_group.txt").read_text()
+    assert "[io g" in (debug / "011_group.txt").read_text()
     assert set(om.graph.meta["pass_times"]) == set(EXPECTED) - {"fold_batchnorm", "merge_pool_relu"}
 
 
 def test_unknown_pass_name_lists_the_passes():
     g = trace(net(), (torch.randn(1, 3, 8, 8),))
-    with pytest.raises(ValueError, match="canonicalize, decompose_layer_norm, fold_batchnorm"):
+    with pytest.raises(ValueError, match="canonicalize, decompose_layer_norm, decompose_softmax, fold_batchnorm"):
         run_passes(g, Options(disable_passes=("fold_bn",)))
 
 

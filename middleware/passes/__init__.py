@@ -21,6 +21,7 @@ from ..options import Options
 from .canonicalize import canonicalize
 from .classify import classify
 from .decompose_layer_norm import decompose_layer_norm
+from .decompose_softmax import decompose_softmax
 from .fold_batchnorm import fold_batchnorm
 from .fuse_vendor_epilogue import fuse_vendor_epilogue
 from .group import group
@@ -51,6 +52,7 @@ def make_pipeline(hardware: Hardware, layout: str = "auto") -> list[tuple[str, P
     return [
         ("canonicalize", canonicalize),
         ("decompose_layer_norm", decompose_layer_norm),
+        ("decompose_softmax", decompose_softmax),
         ("fold_batchnorm", fold_batchnorm),
         ("merge_concat", merge_concat),
         # shared=True: also a pooling whose concat other ops read (googlenet's and

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..graph import Graph, Node, TensorType
 from ..loops import NotFusable, logical_dims
-from .patterns import Rewrite
+from .patterns import Definition, Rewrite
 
 
 def normalized_dims(graph: Graph, node: Node) -> tuple[int, ...] | None:
@@ -70,22 +70,14 @@ def _definition(
     rest = iter(n.inputs[1:])
     weight = next(rest) if "weight" in affine else None
     bias = next(rest) if "bias" in affine else None
-    emitted: list[tuple[Node, list[TensorType]]] = []
-
-    def emit(op: str, inputs: tuple[str, ...], t: TensorType, **attrs: object) -> str:
-        name = rw.fresh(f"{n.name}_{op}")
-        emitted.append((Node(name, op, inputs, (name,), attrs, source=n.source), [t]))
-        return name
-
-    mean = emit("mean", (x,), stat, dims=dims, keepdim=True)
-    d = emit("sub", (x, mean), xt)
-    var = emit("mean", (emit("mul", (d, d), xt),), stat, dims=dims, keepdim=True)
-    rstd = emit("rsqrt", (emit("add", (var,), stat, scalar=float(n.attrs["eps"])),), stat)
-    y = emit("mul", (d, rstd), xt)
+    df = Definition(rw, n)
+    mean = df.emit("mean", (x,), stat, dims=dims, keepdim=True)
+    d = df.emit("sub", (x, mean), xt)
+    var = df.emit("mean", (df.emit("mul", (d, d), xt),), stat, dims=dims, keepdim=True)
+    rstd = df.emit("rsqrt", (df.emit("add", (var,), stat, scalar=float(n.attrs["eps"])),), stat)
+    y = df.emit("mul", (d, rstd), xt)
     if weight is not None:
-        y = emit("mul", (y, weight), xt)
+        y = df.emit("mul", (y, weight), xt)
     if bias is not None:
-        y = emit("add", (y, bias), xt)
-    last, types = emitted[-1]
-    emitted[-1] = (last.replace(outputs=n.outputs), types)
-    return emitted
+        y = df.emit("add", (y, bias), xt)
+    return df.nodes()

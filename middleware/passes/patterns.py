@@ -149,3 +149,24 @@ class Rewrite:
             g.add_node(node, types)
         g.set_outputs(out_tree)
         return g
+
+
+class Definition:
+    """The nodes that compute node ``n``'s output as its definition over registry ops (a
+    decomposition: LayerNorm, softmax). Each :meth:`emit` adds one node named after ``n``
+    and the op, carrying ``n``'s ``source``; :meth:`nodes` gives them with the last one
+    writing ``n``'s own output value, ready for ``Rewrite.replace``."""
+
+    def __init__(self, rw: Rewrite, n: Node) -> None:
+        self.rw, self.n = rw, n
+        self._nodes: list[tuple[Node, list[TensorType]]] = []
+
+    def emit(self, op: str, inputs: tuple[str, ...], t: TensorType, **attrs: object) -> str:
+        """A node ``op(inputs)`` of output type ``t``; returns its output value's name."""
+        name = self.rw.fresh(f"{self.n.name}_{op}")
+        self._nodes.append((Node(name, op, inputs, (name,), attrs, source=self.n.source), [t]))
+        return name
+
+    def nodes(self) -> list[tuple[Node, list[TensorType]]]:
+        last, types = self._nodes[-1]
+        return [*self._nodes[:-1], (last.replace(outputs=self.n.outputs), types)]

@@ -65,9 +65,14 @@ from .report import Report, make_report
 # Passes that replace the user's weights by derived copies (batch-norm folded into the
 # convolution's weight and bias; a post-op fused into the vendor call): a gradient must
 # reach the parameters themselves, so a training plan runs without them.
-# decompose_layer_norm: a mean over the last dim has no backward rule (ATen's LayerNorm
-# backward runs instead)
-TRAINING_DISABLED_PASSES = ("fold_batchnorm", "fuse_vendor_epilogue", "decompose_layer_norm")
+# decompose_layer_norm, decompose_softmax: a mean, sum or max over the last dim has no
+# backward rule (ATen's LayerNorm and softmax backward run instead)
+TRAINING_DISABLED_PASSES = (
+    "fold_batchnorm",
+    "fuse_vendor_epilogue",
+    "decompose_layer_norm",
+    "decompose_softmax",
+)
 
 # A generated group of one op fuses nothing, and as an autograd function it would save its
 # input where PyTorch's own backward saves what the op needs: a ReLU after a batch-norm

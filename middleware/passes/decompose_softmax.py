@@ -1,0 +1,60 @@
+"""decompose_softmax: a softmax over a row becomes the ops of its definition, so that it fuses.
+
+ATen's ``softmax`` is one opaque call: the bias or mask added to attention scores before it
+(Swin's relative-position bias, a shifted window's mask) is a separate pass over the whole
+score tensor. Written as its definition over registry ops with loop semantics (``amax``,
+``sub``, ``exp``, ``sum``, ``div``), it joins a depth-first group with the add before it:
+a tile of rows is read once, its max, exponentials and sum stay in the tile, and the
+probabilities are written once. The row reductions run as AVX-512 loops (a vector of lane
+maxima with a NaN mask, a sum in double) and ``exp`` as a vectorised polynomial
+(``backends/x86/cfuncs.py``: ``mw_expf``), within 1 ulp of the exact result.
+"""
+
+from __future__ import annotations
+
+from ..graph import Graph, Node, TensorType
+from ..loops import NotFusable, logical_dims
+from .patterns import Definition, Rewrite
+
+
+def softmax_dim(graph: Graph, node: Node) -> int | None:
+    """The dim a ``softmax`` node of a float32 rank-3 or rank-4 value normalizes over, when
+    it sits in the logical ``h``/``w`` (the last dim: attention scores, token features),
+    which a generated row reduction covers; None for any other node."""
+    xt = graph.values[node.inputs[0]]
+    if node.op != "softmax" or xt.dtype != "float32" or xt.rank not in (3, 4):
+        return None
+    try:
+        places = logical_dims(xt.rank)
+    except NotFusable:
+        return None
+    dim = int(node.attrs["dim"]) % xt.rank
+    return dim if places[dim] in (2, 3) else None
+
+
+def decompose_softmax(graph: Graph) -> Graph:
+    """Write every ``softmax`` over a dim a generated reduction covers as
+    ``e = exp(x - amax(x))``, ``y = e / sum(e)`` (over that dim, kept).
+
+    Expects: ``softmax`` nodes with a ``dim`` attr.
+    Guarantees: the same outputs within float rounding (ATen's kernel computes the same
+    steps, with a multiply by the sum's reciprocal where this divides); NaN and infinity as
+    ATen gives them (a NaN in a row makes the row NaN; so does an infinity, through
+    ``inf - inf``; a row of -inf is NaN); a softmax over any other dim, rank or dtype stays
+    as it is. Every new node carries the softmax's ``source``.
+    """
+    rw = Rewrite(graph)
+    for n in graph.nodes():
+        dim = softmax_dim(graph, n)
+        if dim is not None:
+            x = n.inputs[0]
+            xt = graph.values[x]
+            row = TensorType(
+                tuple(1 if i == dim else s for i, s in enumerate(xt.shape)), xt.dtype, xt.layout
+            )
+            df = Definition(rw, n)
+            m = df.emit("amax", (x,), row, dims=(dim,), keepdim=True)
+            e = df.emit("exp", (df.emit("sub", (x, m), xt),), xt)
+            df.emit("div", (e, df.emit("sum", (e,), row, dims=(dim,), keepdim=True)), xt)
+            rw.replace(n.name, df.nodes())
+    return rw.build()
