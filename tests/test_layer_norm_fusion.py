@@ -56,15 +56,20 @@ def _norm_rows(opt) -> list:
     affine=st.sampled_from(["wb", "w", ""]),
     eps=st.sampled_from([1e-5, 1e-6, 1e-2]),
     offset=st.sampled_from([0.0, 3.0, 300.0]),
+    map_rows=st.sampled_from([None, 1, 3, 7]),
     seed=st.integers(0, 2**16),
 )
-def test_add_layer_norm_is_one_generated_group(n, t, c, two_dims, affine, eps, offset, seed):
+def test_add_layer_norm_is_one_generated_group(
+    n, t, c, two_dims, affine, eps, offset, map_rows, seed
+):
+    """A token sequence (N, T, C), or a token map (N, H, W, C) with ``map_rows`` rows."""
     shape = (t, c) if two_dims else (c,)
     model = AddNorm(shape, affine, eps, seed).eval()
     g = torch.Generator().manual_seed(seed + 1)
+    full = (n, t, c) if map_rows is None else (n, map_rows, t, c)
     # rows with a large mean against their spread: the statistics must not cancel badly
-    x = torch.randn(n, t, c, generator=g) * 2 + offset
-    r = torch.randn(n, t, c, generator=g)
+    x = torch.randn(full, generator=g) * 2 + offset
+    r = torch.randn(full, generator=g)
     opt = middleware.optimize(model, example_inputs=(x, r))
     with torch.no_grad():
         want = model(x, r)
@@ -160,15 +165,16 @@ class Norms(nn.Module):
         return self.seq(x), self.map(x.reshape(2, 3, 2, 8)), self.vec(x.reshape(12, 8))
 
 
-def test_only_token_sequences_are_decomposed():
-    """Rank 3 is decomposed; a rank-4 token map (Swin's, ConvNeXt's: measured slower
-    decomposed) and a rank-2 batch (its last dim is no logical h/w) stay ATen's."""
+def test_only_token_sequences_and_maps_are_decomposed():
+    """Rank 3 (a token sequence) and rank 4 (Swin's, ConvNeXt's token maps) are decomposed;
+    a rank-2 batch (its last dim is no logical h/w) stays ATen's."""
     graph = middleware.trace(Norms().eval(), (torch.randn(2, 6, 8),))
     passed = run_passes(graph, Options())
     ln = [n for n in passed.nodes() if n.op == "layer_norm"]
-    assert sorted(n.source for n in ln) == ["map", "vec"]
-    ops = {n.op for n in passed.nodes() if n.source == "seq"}
-    assert ops == {"mean", "sub", "mul", "add", "rsqrt"}, ops
+    assert sorted(n.source for n in ln) == ["vec"]
+    for source in ("seq", "map"):
+        ops = {n.op for n in passed.nodes() if n.source == source}
+        assert ops == {"mean", "sub", "mul", "add", "rsqrt"}, ops
     kept = run_passes(graph, Options(disable_passes=("decompose_layer_norm",)))
     assert len([n for n in kept.nodes() if n.op == "layer_norm"]) == 3
 
