@@ -198,20 +198,37 @@ class Shapes(nn.Module):
         )
 
 
-def test_only_rows_in_the_logical_plane_are_decomposed():
-    """A softmax over the last dims of a rank-3/4 value is decomposed; over the channel dim,
-    of a rank-5 value or of a rank-2 batch (no logical h/w there) it stays ATen's."""
+def test_only_rows_a_generated_reduction_covers_are_decomposed():
+    """A softmax over the last dims of a rank-3/4 value, or the last dim of a rank-5 one
+    (viewed as rank 4), is decomposed; over the channel dim or of a rank-2 batch (no
+    logical h/w there) it stays ATen's."""
     x = torch.randn(2, 3, 5, 8)
     graph = middleware.trace(Shapes().eval(), (x,))
     passed = run_passes(graph, Options())
-    assert len([n for n in passed.nodes() if n.op == "softmax"]) == 3
-    assert len([n for n in passed.nodes() if n.op == "amax"]) == 1
+    assert len([n for n in passed.nodes() if n.op == "softmax"]) == 2
+    assert len([n for n in passed.nodes() if n.op == "amax"]) == 2
     kept = run_passes(graph, Options(disable_passes=("decompose_softmax",)))
     assert len([n for n in kept.nodes() if n.op == "softmax"]) == 4
     opt = middleware.optimize(Shapes().eval(), example_inputs=(x,))
     with torch.no_grad():
         for got, want in zip(opt(x), Shapes()(x), strict=True):
             _close(got, want)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 3, 7, 7), (1, 2, 2, 3, 5, 33)])
+def test_high_rank_scores_are_viewed_as_rank_four(shape):
+    """MaxViT's (B, windows, heads, T, T) scores: the leading dims merged into one, the
+    softmax generated on the view, the result viewed back."""
+    b = torch.randn(shape[-3:])
+    x = torch.randn(shape) * 3
+    opt = middleware.optimize(BiasSoftmax(-1).eval(), example_inputs=(x, b))
+    rows = opt.report().rows
+    assert not [r for r in rows if r.op == "softmax"]
+    assert {"amax", "exp", "sum", "div"} <= {r.op for r in rows if r.runs_as == "generated"}
+    with torch.no_grad():
+        got = opt(x, b)
+        assert got.shape == x.shape
+        _close(got, BiasSoftmax(-1)(x, b))
 
 
 def test_without_fusion_or_in_training_the_softmax_stays_one_call():

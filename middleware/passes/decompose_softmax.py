@@ -12,29 +12,33 @@ maxima with a NaN mask, a sum in double) and ``exp`` as a vectorised polynomial
 
 from __future__ import annotations
 
+import math
+
 from ..graph import Graph, Node, TensorType
-from ..loops import NotFusable, logical_dims
+from ..loops import logical_dims
 from .patterns import Definition, Rewrite
 
 
 def softmax_dim(graph: Graph, node: Node) -> int | None:
-    """The dim a ``softmax`` node of a float32 rank-3 or rank-4 value normalizes over, when
-    it sits in the logical ``h``/``w`` (the last dim: attention scores, token features),
-    which a generated row reduction covers; None for any other node."""
+    """The dim a ``softmax`` node of a float32 value of rank 3 or more normalizes over, when
+    a generated row reduction covers it: a dim in the logical ``h``/``w`` of a rank-3/4
+    value (the last dims: attention scores, token features), or the last dim of a higher
+    rank (MaxViT's (B, windows, heads, T, T) scores, computed as a rank-4 view); None for
+    any other node."""
     xt = graph.values[node.inputs[0]]
-    if node.op != "softmax" or xt.dtype != "float32" or xt.rank not in (3, 4):
-        return None
-    try:
-        places = logical_dims(xt.rank)
-    except NotFusable:
+    if node.op != "softmax" or xt.dtype != "float32" or xt.rank < 3:
         return None
     dim = int(node.attrs["dim"]) % xt.rank
-    return dim if places[dim] in (2, 3) else None
+    if xt.rank > 4:
+        return dim if dim == xt.rank - 1 else None
+    return dim if logical_dims(xt.rank)[dim] in (2, 3) else None
 
 
 def decompose_softmax(graph: Graph) -> Graph:
     """Write every ``softmax`` over a dim a generated reduction covers as
-    ``e = exp(x - amax(x))``, ``y = e / sum(e)`` (over that dim, kept).
+    ``e = exp(x - amax(x))``, ``y = e / sum(e)`` (over that dim, kept). A value of rank 5
+    or more is viewed as rank 4 first (its leading dims merged; a reshape that moves no
+    element) and the result viewed back.
 
     Expects: ``softmax`` nodes with a ``dim`` attr.
     Guarantees: the same outputs within float rounding (ATen's kernel computes the same
@@ -46,15 +50,23 @@ def decompose_softmax(graph: Graph) -> Graph:
     rw = Rewrite(graph)
     for n in graph.nodes():
         dim = softmax_dim(graph, n)
-        if dim is not None:
-            x = n.inputs[0]
-            xt = graph.values[x]
-            row = TensorType(
-                tuple(1 if i == dim else s for i, s in enumerate(xt.shape)), xt.dtype, xt.layout
-            )
-            df = Definition(rw, n)
-            m = df.emit("amax", (x,), row, dims=(dim,), keepdim=True)
-            e = df.emit("exp", (df.emit("sub", (x, m), xt),), xt)
-            df.emit("div", (e, df.emit("sum", (e,), row, dims=(dim,), keepdim=True)), xt)
-            rw.replace(n.name, df.nodes())
+        if dim is None:
+            continue
+        df = Definition(rw, n)
+        x = n.inputs[0]
+        xt = graph.values[x]
+        if xt.rank > 4:
+            lead = math.prod(xt.shape[: xt.rank - 3])
+            t4 = TensorType((lead, *xt.shape[-3:]), xt.dtype, xt.layout)
+            x, xt, dim = df.emit("reshape", (x,), t4, shape=t4.shape), t4, 3
+        row = TensorType(
+            tuple(1 if i == dim else s for i, s in enumerate(xt.shape)), xt.dtype, xt.layout
+        )
+        m = df.emit("amax", (x,), row, dims=(dim,), keepdim=True)
+        e = df.emit("exp", (df.emit("sub", (x, m), xt),), xt)
+        y = df.emit("div", (e, df.emit("sum", (e,), row, dims=(dim,), keepdim=True)), xt)
+        out = graph.values[n.outputs[0]]
+        if out.rank > 4:
+            df.emit("reshape", (y,), out, shape=out.shape)
+        rw.replace(n.name, df.nodes())
     return rw.build()
