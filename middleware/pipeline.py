@@ -25,7 +25,7 @@ from .frontends import trace
 from .graph import RELEASE_AS_BUILT, Graph, return_freed_memory
 from .hardware import Hardware, for_options
 from .options import Options
-from .passes import run_passes
+from .passes import DECOMPOSITIONS, run_passes
 from .passes.batch_slice import batch_slice, split_graph
 from .runtime.chunked import ChunkedPlan
 from .runtime.module import Compiled
@@ -232,7 +232,7 @@ def compile_graph(
     off = passes_off(options) if passes_off is not None else ()
     if not options.fuse:
         # its pieces fuse or are slower than the one ATen call they replace
-        off = (*off, "decompose_layer_norm", "decompose_softmax")
+        off = (*off, *DECOMPOSITIONS)
     pass_options = (
         dataclasses.replace(
             options, disable_passes=tuple(dict.fromkeys((*options.disable_passes, *off)))

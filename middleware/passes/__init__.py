@@ -32,6 +32,11 @@ from .pool_before_concat import pool_before_concat
 
 Pass = Callable[[Graph], Graph]
 
+# The passes that write an ATen call as its definition over registry ops so that it fuses:
+# off in training (their reductions over a map's last dims have no backward rule), on CUDA
+# (unmeasured there) and with fuse=False (the pieces would run as separate calls)
+DECOMPOSITIONS: tuple[str, ...] = ("decompose_layer_norm", "decompose_softmax")
+
 # The documented CPU defaults (middleware/hardware.py), for PIPELINE and for callers that
 # pass no Hardware.
 DEFAULT_HARDWARE = Hardware(

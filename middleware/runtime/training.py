@@ -56,7 +56,7 @@ from ..loops import NotFusable
 from ..op_data import ValueRef
 from ..ops import get_op, infer_types
 from ..options import Options
-from ..passes import run_passes
+from ..passes import DECOMPOSITIONS, run_passes
 from ..passes.autodiff import Backward, Gradient, differentiate, fit
 from ..passes.patterns import Rewrite
 from .plan import Step
@@ -65,14 +65,9 @@ from .report import Report, make_report
 # Passes that replace the user's weights by derived copies (batch-norm folded into the
 # convolution's weight and bias; a post-op fused into the vendor call): a gradient must
 # reach the parameters themselves, so a training plan runs without them.
-# decompose_layer_norm, decompose_softmax: a mean, sum or max over the last dim has no
-# backward rule (ATen's LayerNorm and softmax backward run instead)
-TRAINING_DISABLED_PASSES = (
-    "fold_batchnorm",
-    "fuse_vendor_epilogue",
-    "decompose_layer_norm",
-    "decompose_softmax",
-)
+# The decompositions (LayerNorm, softmax): a mean, sum or max over a map's last
+# dims has no backward rule (ATen's norm and softmax backward run instead)
+TRAINING_DISABLED_PASSES = ("fold_batchnorm", "fuse_vendor_epilogue", *DECOMPOSITIONS)
 
 # A generated group of one op fuses nothing, and as an autograd function it would save its
 # input where PyTorch's own backward saves what the op needs: a ReLU after a batch-norm

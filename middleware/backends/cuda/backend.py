@@ -16,6 +16,7 @@ import torch
 from ...graph import Graph
 from ...hardware import Hardware
 from ...options import Options
+from ...passes import DECOMPOSITIONS
 from ..interface import Unit
 from . import check_cuda_runtime
 from .graphs import CudaGraphPlan
@@ -50,9 +51,9 @@ class CudaBackend:
 
     def passes_off(self, options: Options) -> tuple[str, ...]:
         """``cuda_weights="share"``: batch norms stay unfolded (a folded weight is a copy).
-        LayerNorm and softmax stay ATen's calls: the row reductions of their decompositions
-        were never measured on a GPU."""
-        off = ("decompose_layer_norm", "decompose_softmax")
+        LayerNorm and softmax stay ATen's calls: the reductions of their
+        decompositions (``passes.DECOMPOSITIONS``) were never measured on a GPU."""
+        off = DECOMPOSITIONS
         return (*off, "fold_batchnorm") if options.cuda_weights == "share" else off
 
     def lower(self, graph: Graph, options: Options) -> Graph:
