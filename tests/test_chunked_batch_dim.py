@@ -6,6 +6,7 @@ never sliced."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -47,6 +48,22 @@ class RightBroadcast(nn.Module):
         return z.mean((2, 3))
 
 
+class SumOverBatch(nn.Module):
+    """``y.sum(0)`` / ``y.amax(0)`` of an (N, N, H, W) map: (N, H, W), whose leading size
+    is the batch's but which mixes every sample."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, BATCH, 3, padding=1)
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.stem(x))
+        s = y.sum(0) if self.op == "sum" else y.amax(0)
+        z = F.avg_pool2d(torch.sigmoid(s.reshape(BATCH, 1, 32, 32)), 4)
+        return z.mean((2, 3))
+
+
 def _check(model: nn.Module, **kw) -> middleware.OptimizedModule:  # noqa: ANN003
     torch.manual_seed(0)
     m = model.eval()
@@ -77,6 +94,20 @@ def test_lower_rank_operand_broadcast_from_the_right_is_not_sliced() -> None:
     om = _check(RightBroadcast(), fuse=False)
     cut = getattr(om.plan, "cut", None)
     assert cut is None or not any(om.graph.node(n).op == "add" for n in cut.nodes)
+
+
+@pytest.mark.parametrize("op", ["sum", "amax"])
+def test_a_reduction_over_the_batch_dim_is_not_sliced(op: str) -> None:
+    om = _check(SumOverBatch(op), fuse=False)
+    cut = getattr(om.plan, "cut", None)
+    assert cut is None or not any(om.graph.node(n).op == op for n in cut.nodes)
+    # its (N, H, W) output has the batch's size in front but is no per-sample value
+    g = Graph()
+    x = g.add_input("x", TensorType((BATCH, BATCH, 8, 8)))
+    s = _node(g, "s", op, (_node(g, "y", "relu", (x,)),), dims=(0,), keepdim=False)
+    g.set_outputs(_node(g, "out", "sigmoid", (s,)))
+    batched = chunked.batched_values(g, BATCH)
+    assert "y" in batched and "s" not in batched and "out" not in batched
 
 
 def _node(g: Graph, name: str, op: str, ins: tuple[str, ...], **attrs) -> str:  # noqa: ANN003

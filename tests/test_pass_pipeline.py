@@ -111,7 +111,9 @@ def test_disable_passes_and_debug_dir(tmp_path):
 
 def test_unknown_pass_name_lists_the_passes():
     g = trace(net(), (torch.randn(1, 3, 8, 8),))
-    with pytest.raises(ValueError, match="canonicalize, decompose_layer_norm, decompose_softmax, fold_batchnorm"):
+    with pytest.raises(
+        ValueError, match="canonicalize, decompose_layer_norm, decompose_softmax, fold_batchnorm"
+    ):
         run_passes(g, Options(disable_passes=("fold_bn",)))
 
 

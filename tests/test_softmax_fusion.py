@@ -76,23 +76,25 @@ def test_bias_softmax_is_one_generated_group(shape, last, bias_rank, spread, mas
     assert len(_generated_groups(opt)) == 1, [(r.node, r.op, r.group) for r in rows]
 
 
+@pytest.mark.parametrize("width", [40, 197])
 @pytest.mark.parametrize(
     "value", [math.nan, math.inf, -math.inf, "row of -inf", "row of +inf", "large"]
 )
-def test_non_finite_values_give_atens_rows(value):
-    """A NaN poisons its row; an infinity makes its row NaN (inf - inf); a row of -inf is
-    NaN; a row of +inf is NaN; values near the float limit do not overflow."""
+def test_non_finite_values_give_atens_rows(value, width):
+    """A NaN poisons its row; a +inf makes its row NaN (inf - inf), a -inf gives 0; a row
+    of -inf is NaN; a row of +inf is NaN; values near the float limit do not overflow.
+    Rows of 40 (two vector chunks and a masked one) and of 197 (vit_b_16's)."""
     model = BiasSoftmax(-1).eval()
     g = torch.Generator().manual_seed(5)
-    x, b = torch.randn(2, 3, 6, 40, generator=g), torch.zeros(40)
+    x, b = torch.randn(2, 3, 6, width, generator=g), torch.zeros(width)
     if value == "row of -inf":
         x[1, 2, 3] = -math.inf
     elif value == "row of +inf":
         x[1, 2, 3] = math.inf
     elif value == "large":
-        x[1, 2] = 3e38 * torch.rand(6, 40, generator=g)
+        x[1, 2] = 3e38 * torch.rand(6, width, generator=g)
     else:
-        x[1, 2, 3, 17] = value
+        x[1, 2, 3, width - 3] = value
     opt = middleware.optimize(model, example_inputs=(x, b))
     with torch.no_grad():
         want, got = model(x, b), opt(x, b)
@@ -105,8 +107,8 @@ class Ops(nn.Module):
     def forward(self, x):
         return (
             torch.exp(x - 3.5) * 1.0,
-            x.amax(-1, keepdim=True) + 0.0,
-            torch.amax(x, (2, 3)) * 1.0,
+            (x - 7.0).amax(-1, keepdim=True) + 0.0,  # rows all below 0
+            torch.amax(x - 7.0, (2, 3)) * 1.0,
             x.sum(-1, keepdim=True) + 0.0,
             torch.sum(x, (2, 3), keepdim=True) * 1.0,
             x.sum(-1) - 0.0,  # (N, C, H): the output dims move, ATen's sum (unless W is 1)
@@ -183,7 +185,13 @@ def test_row_reductions_are_avx512_loops(tmp_path):
     with torch.no_grad():
         opt(x, b)
     (src,) = [p.read_text() for p in tmp_path.rglob("kernel.c") if "amax" in p.parent.name]
-    for needle in ("_mm512_reduce_max_ps(m_)", "_mm512_reduce_add_pd(", "mw_vexp(", "mw_expf("):
+    # call sites (the helpers' definitions are in every kernel)
+    for needle in (
+        "_mm512_reduce_max_ps(m_)",
+        "_mm512_reduce_add_pd(",
+        "mw_vexp(_mm512_",
+        "= mw_expf(",
+    ):
         assert needle in src, needle
     assert "#pragma omp simd reduction(max:a) reduction(|:any_nan)" in src
 
@@ -248,3 +256,44 @@ def test_without_fusion_or_in_training_the_softmax_stays_one_call():
     xg.grad = None
     (model(xg, b) * w).sum().backward()
     _close(got, xg.grad, tol=1e-4)
+
+
+def test_the_scalar_exp_helper_alone(tmp_path):
+    """``mw_expf`` compiled on its own and called per element (where a host without
+    AVX-512, a hoisted scalar or an epilogue runs it), in a program built with the
+    undefined-behaviour sanitizer: within 1 ulp over a sweep of its range, PyTorch's special
+    values, no undefined shift on NaN (the sanitizer stops the program on one)."""
+    import shutil
+    import subprocess
+
+    from middleware.backends.x86.cfuncs import SCALAR_HELPERS
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "expf.c"
+    src.write_text(
+        "#include <math.h>\n#include <stdio.h>\n" + SCALAR_HELPERS + "int main(void) {\n"
+        "  float x;\n"
+        "  while (fread(&x, 4, 1, stdin) == 1) { const float y = mw_expf(x); fwrite(&y, 4, 1, stdout); }\n"
+        "  return 0;\n}\n"
+    )
+    exe = tmp_path / "expf"
+    flags = ["-O1", "-fno-tree-vectorize", "-fsanitize=undefined", "-fno-sanitize-recover=all"]
+    subprocess.run([cc, *flags, "-o", exe, src, "-lm"], check=True)
+    flat = np.concatenate(
+        [
+            np.linspace(-110.0, 95.0, 100_003, dtype=np.float32),
+            np.array([math.nan, math.inf, -math.inf, 0.0, -0.0, 88.72283, 88.7229, -103.972,
+                      -104.0, -1000.0, 1000.0], dtype=np.float32),
+        ]
+    )  # fmt: skip
+    done = subprocess.run([exe], input=flat.tobytes(), capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    got = np.frombuffer(done.stdout, dtype=np.float32)
+    want = torch.exp(torch.from_numpy(flat)).numpy()
+    assert got.shape == want.shape
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(np.isinf(got), np.isinf(want))
+    finite = np.isfinite(want)
+    assert _ulps(got[finite], np.exp(flat[finite].astype(np.float64))).max() <= 1.0

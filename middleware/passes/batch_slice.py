@@ -143,7 +143,7 @@ def _attrs_per_sample(graph: Graph, node: Node, batch: int, rank: int) -> bool:
         return a["start_dim"] % graph.values[node.inputs[0]].rank != 0
     if node.op == "permute":
         return tuple(a["dims"])[0] % rank == 0
-    if node.op == "mean":
+    if node.op in ("mean", "sum", "amax"):
         r = graph.values[node.inputs[0]].rank
         return all(d % r != 0 for d in a["dims"])
     if node.op == "reshape":

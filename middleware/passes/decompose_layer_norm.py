@@ -42,7 +42,7 @@ def decompose_layer_norm(graph: Graph) -> Graph:
     the value.
     Guarantees: the same outputs within float rounding (the biased variance of the centred
     values, as ATen's kernel computes it, in two passes); a ``layer_norm`` of a rank other
-    than 3, or a dtype other than float32, stays as it is. Every new node carries
+    than 3 or 4, or a dtype other than float32, stays as it is. Every new node carries
     the LayerNorm's ``source``.
     """
     rw = Rewrite(graph)

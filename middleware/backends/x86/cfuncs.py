@@ -35,8 +35,9 @@ C_FUNCS: dict[str, str] = {
 }
 
 
-# The scalar helpers every x86 C template defines (``{{ scalar_helpers }}``, a global of
-# render.environment()): the table's ``mw_expf`` and ``mw_sigmoid``.
+# The scalar helpers the x86 C templates that print table expressions define (group,
+# GEMV, Winograd, direct convolution: ``{{ scalar_helpers }}``, a global of
+# render.environment(); winograd_f2's source by format): ``mw_expf`` and ``mw_sigmoid``.
 SCALAR_HELPERS = r"""#include <stdint.h>
 #include <string.h>
 /* exp(x) in float, branch-free, so that gcc vectorises it in a SIMD loop (libm's expf is
@@ -62,7 +63,8 @@ static inline float mw_expf(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
   const int32_t n1 = ni >> 1, n2 = ni - n1;
-  const int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+  /* unsigned shifts: a NaN's n is garbage, and a signed shift of it undefined */
+  const uint32_t b1 = (uint32_t)(n1 + 127) << 23, b2 = (uint32_t)(n2 + 127) << 23;
   float s1, s2;
   memcpy(&s1, &b1, 4);
   memcpy(&s2, &b2, 4);

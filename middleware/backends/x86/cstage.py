@@ -1,13 +1,18 @@
 """The C text of one schedule stage (issue 18: I/O kernels at memory speed).
 
-Three things on top of the schedule's loop nest (which every backend shares):
+These things on top of the schedule's loop nest (which every backend shares):
 
 * **Hoisting.** A subexpression with an expensive function (``loops.EXPENSIVE_FUNCTIONS``:
   sigmoid, exp, division, ...) whose loads do not depend on some of the enclosing loops is
   computed where it stops varying: a scalar when it does not depend on the inner (SIMD)
   loop either, else a row over the inner loop's range (``float hoist<k>[extent]``). The
   SE gate ``x * sigmoid(s)`` (``s`` of shape N,C,1,1) computes N*C sigmoids, not one per
-  element (gcc does not hoist ``expf`` itself: it may set ``errno``).
+  element (gcc hoisted no libm ``expf``: it may set ``errno``; exp is now the inline
+  ``mw_expf``, hoisted all the same).
+* **Row reductions to one value** (a softmax's max and sum, LayerNorm's statistics, a
+  global pool in NCHW): an AVX-512 loop over the window's innermost loop, the last chunk
+  masked, a sum in double, a max/min with a NaN mask (``vector_row``); gcc's ``omp simd``
+  reduction under ``#else``.
 * **Guard-free interior of windows.** For a reduction stage (pooling, depthwise conv) the
   output points whose window lies wholly inside the input (the *interior*, a box found by
   evaluating ``Reduction.point_loops`` on the stage's index space at render time) run a
