@@ -223,16 +223,30 @@ def test_only_rows_a_generated_reduction_covers_are_decomposed():
             _close(got, want)
 
 
-@pytest.mark.parametrize("shape", [(2, 4, 3, 7, 7), (1, 2, 2, 3, 5, 33)])
-def test_high_rank_scores_are_viewed_as_rank_four(shape):
+@pytest.mark.parametrize(
+    "shape,bias",
+    [
+        ((2, 4, 3, 7, 7), (3, 7, 7)),
+        ((1, 64, 2, 9, 9), (1, 2, 9, 9)),  # MaxViT's relative-position bias
+        ((1, 2, 2, 3, 5, 33), (1, 3, 5, 33)),
+        ((1, 2, 2, 3, 5, 33), (1, 1, 1, 5, 33)),  # a rank-5 bias: the add stays rank 6
+        ((2, 4, 3, 7, 7), (4, 1, 7, 7)),  # varies along a merged dim: the add stays rank 5
+    ],
+)
+def test_high_rank_scores_are_viewed_as_rank_four(shape, bias):
     """MaxViT's (B, windows, heads, T, T) scores: the leading dims merged into one, the
-    softmax generated on the view, the result viewed back."""
-    b = torch.randn(shape[-3:])
+    softmax generated on the view, the result viewed back; the bias add before it joins
+    the view (and the group) where the bias is 1 along the merged dims."""
+    b = torch.randn(bias)
     x = torch.randn(shape) * 3
     opt = middleware.optimize(BiasSoftmax(-1).eval(), example_inputs=(x, b))
     rows = opt.report().rows
     assert not [r for r in rows if r.op == "softmax"]
     assert {"amax", "exp", "sum", "div"} <= {r.op for r in rows if r.runs_as == "generated"}
+    aligned = (1,) * (len(shape) - len(bias)) + bias
+    merged = len(bias) <= 4 and all(d == 1 for d in aligned[: len(shape) - 3])
+    (add,) = [r for r in rows if r.op == "add"]
+    assert (add.runs_as == "generated") == merged
     with torch.no_grad():
         got = opt(x, b)
         assert got.shape == x.shape

@@ -34,11 +34,34 @@ def softmax_dim(graph: Graph, node: Node) -> int | None:
     return dim if logical_dims(xt.rank)[dim] in (2, 3) else None
 
 
+def _bias_add(graph: Graph, x: str) -> tuple[Node, str, str] | None:
+    """``(add node, full operand, bias)`` when ``x`` (of rank 5 or more) is a plain
+    ``add`` read only by the softmax, of an operand of ``x``'s own shape and a bias of rank
+    at most 4 whose sizes in the leading dims the rank-4 view merges are all 1 (MaxViT's
+    relative-position bias, ``(1, heads, T, T)``): then ``full`` viewed as rank 4 plus the
+    bias broadcasts the same way. None otherwise."""
+    add = graph.producer(x)
+    if add is None or add.op != "add" or len(add.inputs) != 2 or add.attrs:
+        return None
+    if graph.uses(x) != 1 or x in graph.output_values():
+        return None
+    xt = graph.values[x]
+    for full, other in (add.inputs, add.inputs[::-1]):
+        ft, ot = graph.values[full], graph.values[other]
+        if ft.shape != xt.shape or ot.rank > 4 or full == other:
+            continue
+        aligned = (1,) * (xt.rank - ot.rank) + tuple(ot.shape)
+        if all(d == 1 for d in aligned[: xt.rank - 3]):
+            return add, full, other
+    return None
+
+
 def decompose_softmax(graph: Graph) -> Graph:
     """Write every ``softmax`` over a dim a generated reduction covers as
     ``e = exp(x - amax(x))``, ``y = e / sum(e)`` (over that dim, kept). A value of rank 5
     or more is viewed as rank 4 first (its leading dims merged; a reshape that moves no
-    element) and the result viewed back.
+    element) and the result viewed back; a bias add before it that only the softmax reads
+    (MaxViT's relative-position bias) comes onto the view, so that it fuses.
 
     Expects: ``softmax`` nodes with a ``dim`` attr.
     Guarantees: the same outputs within float rounding (ATen's kernel computes the same
@@ -58,7 +81,15 @@ def decompose_softmax(graph: Graph) -> Graph:
         if xt.rank > 4:
             lead = math.prod(xt.shape[: xt.rank - 3])
             t4 = TensorType((lead, *xt.shape[-3:]), xt.dtype, xt.layout)
-            x, xt, dim = df.emit("reshape", (x,), t4, shape=t4.shape), t4, 3
+            bias = _bias_add(graph, x)
+            if bias is not None:  # the add comes along onto the view, and fuses
+                add, full, other = bias
+                v = df.emit("reshape", (full,), t4, shape=t4.shape)
+                x = df.emit("add", (v, other) if add.inputs[0] == full else (other, v), t4)
+                rw.drop(add.name)
+            else:
+                x = df.emit("reshape", (x,), t4, shape=t4.shape)
+            xt, dim = t4, 3
         row = TensorType(
             tuple(1 if i == dim else s for i, s in enumerate(xt.shape)), xt.dtype, xt.layout
         )
