@@ -955,47 +955,8 @@ register(
 )
 
 
-def _mean(node: Node) -> Kernel:
-    dims, keep = tuple(node.attrs["dims"]), bool(node.attrs["keepdim"])
-
-    def mean(x):
-        return torch.mean(x, dims, keep)
-
-    return mean
-
-
-def _mean_out(node: Node, graph: Graph) -> OutForm:
-    dims, keep = tuple(node.attrs["dims"]), bool(node.attrs["keepdim"])
-
-    def mean_out(x, o):
-        torch.mean(x, dims, keep, out=o)
-
-    return mean_out, ()
-
-
-def _over_space(attrs: Mapping[str, Any]) -> bool:
-    """A mean over both spatial dims writes (N, C) or (N, C, 1, 1): the same in both orders."""
-    return {int(d) % 4 for d in attrs["dims"]} >= {2, 3}
-
-
-register(
-    OpDef(
-        "mean",
-        Bound.IO,
-        _mean,
-        flops_fn=reduce_flops,
-        loops=loops.mean_loops,
-        per_sample=True,
-        layout_preserving=True,
-        layout_preserving_if=_over_space,
-        out=OutVariant(_mean_out),
-        grad=_spatial_mean_grad,
-    )
-)
-
-
 def _dims_kernel(fn: Any) -> Callable[[Node], Kernel]:
-    """``fn(x, dims, keepdim)`` (torch.sum, torch.amax) with the node's dims."""
+    """``fn(x, dims, keepdim)`` (torch.mean, torch.sum, torch.amax) with the node's dims."""
 
     def make(node: Node) -> Kernel:
         dims, keep = tuple(node.attrs["dims"]), bool(node.attrs["keepdim"])
@@ -1018,6 +979,27 @@ def _dims_out(fn: Any) -> OutVariant:
         return reduce_out, ()
 
     return OutVariant(make)
+
+
+def _over_space(attrs: Mapping[str, Any]) -> bool:
+    """A mean over both spatial dims writes (N, C) or (N, C, 1, 1): the same in both orders."""
+    return {int(d) % 4 for d in attrs["dims"]} >= {2, 3}
+
+
+register(
+    OpDef(
+        "mean",
+        Bound.IO,
+        _dims_kernel(torch.mean),
+        flops_fn=reduce_flops,
+        loops=loops.mean_loops,
+        per_sample=True,
+        layout_preserving=True,
+        layout_preserving_if=_over_space,
+        out=_dims_out(torch.mean),
+        grad=_spatial_mean_grad,
+    )
+)
 
 
 # sum and amax over ``dims`` (attrs as for mean): softmax's definition (the decomposition

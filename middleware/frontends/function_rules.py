@@ -329,6 +329,8 @@ def _r_dims(op: str, all_dims: object):
 
 
 _r_mean = _r_dims("mean", None)
+_r_sum = _r_dims("sum", None)
+_r_amax = _r_dims("amax", ())
 
 
 def _r_identity(low, fxn, fn, args, kwargs):
@@ -449,8 +451,8 @@ FUNCTION_RULES: dict[Any, Any] = {
     torch.chunk: _r_split,
     torch.split: _r_split,
     torch.mean: _r_mean,
-    torch.sum: _r_dims("sum", None),
-    torch.amax: _r_dims("amax", ()),
+    torch.sum: _r_sum,
+    torch.amax: _r_amax,
     torch.add: _r_binary("add"),
     torch.sub: _r_binary("sub"),
     torch.mul: _r_binary("mul"),
@@ -494,8 +496,8 @@ METHOD_RULES: dict[str, Any] = {
     "chunk": _r_split,
     "split": _r_split,
     "mean": _r_mean,
-    "sum": _r_dims("sum", None),
-    "amax": _r_dims("amax", ()),
+    "sum": _r_sum,
+    "amax": _r_amax,
     "add": _r_binary("add"),
     "sub": _r_binary("sub"),
     "mul": _r_binary("mul"),

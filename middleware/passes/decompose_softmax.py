@@ -67,8 +67,8 @@ def decompose_softmax(graph: Graph) -> Graph:
     Guarantees: the same outputs within float rounding (ATen's kernel computes the same
     steps, with a multiply by the sum's reciprocal where this divides); NaN and infinity as
     ATen gives them (a NaN in a row makes the row NaN; so does a +inf, through
-    ``inf - inf``, while a -inf element gives 0; a row of -inf is NaN); a softmax over any other dim, rank or dtype stays
-    as it is. Every new node carries the softmax's ``source``.
+    ``inf - inf``, while a -inf element gives 0; a row of -inf is NaN); a softmax over any
+    other dim, rank or dtype stays as it is. Every new node carries the softmax's ``source``.
     """
     rw = Rewrite(graph)
     for n in graph.nodes():
