@@ -325,6 +325,11 @@ WINDOW_FORMS = [
     # shifted by valignd, lanes from mask tables; non-temporal stores
     ("nchw", (5, 17, 19, 33), maxpool(3, 1, 1), True, ("wrow0_c0_", "alignr", "_mm512_stream_ps")),
     ("nchw", (5, 3, 19, 33), avgpool(3, 1, 1, cip=False), True, ("wrow0_r0_", "alignr", "wdiv0_")),
+    # rows of 28 and 24 floats: the whole chunks in a loop unrolled by the column masks'
+    # period (7 and 3 chunks), constant masks, the NaN test of one tap as a running sum
+    ("nchw", (3, 17, 28, 28), maxpool(3, 1, 1), False, ("F_ += 112", "0xEFFF", "nbv_ = ")),
+    ("nchw", (3, 5, 13, 24), avgpool(3, 1, 1, cip=False), True, ("F_ += 48", "wdiv0_")),
+    ("nchw", (2, 5, 9, 16), maxpool(5, 1, 2), True, ("F_ += 16", "nbv_ = ")),
     # channels_last register ring (17 channels: a masked last vector; 80: two blocks, the
     # second of one vector), the exact interleaved rows behind ``bad_``
     ("nhwc", (5, 17, 23, 37), maxpool(3, 2, 1), True, ("q2_1_", "wbad0_", "wrow0_", "xd_")),
@@ -343,18 +348,22 @@ WINDOW_FORMS = [
     "pool,producer",
     [(maxpool(3, 1, 1), False), (maxpool(3, 2, 1), True), (maxpool(2, 2, 0), True)],
 )
-def test_fast_forms_see_a_nan_in_every_input_row(layout, pool, producer, caches, tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("width", [21, 28])
+def test_fast_forms_see_a_nan_in_every_input_row(
+    layout, pool, producer, caches, width, tmp_path
+) -> None:  # noqa: ANN001
     """The fast forms of a max window (channels_last's register ring, NCHW rows and flat
     planes) test each window row for NaN once, in the first output row that reads it: a
     single NaN in any input row, at the first, a middle or the last column and in varying
     channels, must still reach every output whose window holds it, with finite values
     everywhere else. ``small``: caches of 2 KiB and 16 KiB on one core, so that tiles
     split h into a few rows and the rows after a tile's first test only their fresh
-    window rows."""
+    window rows. Rows of 28 floats: the NCHW flat plane's whole chunks test one window
+    row for NaN, the chunks at the plane's top and bottom every row."""
     hw = hardware()
     if caches == "small":
         hw = dataclasses.replace(hw, l1_bytes=2048, l2_bytes=16384, cores=1)
-    shape = (2, 32, 13, 21)
+    shape = (2, 32, 13, width)
     mf = torch.channels_last if layout == "nhwc" else torch.contiguous_format
     g = _pool_graph(layout, shape, pool, producer)
     s = X86Backend().schedule(g, [n.name for n in g.nodes()], hw)

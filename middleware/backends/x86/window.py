@@ -98,6 +98,9 @@ PREFETCH_NHWC_BYTES = 3072
 # The flat form's prefetch distance: concat -> 3x3/1 max-pool NCHW, 28x28 planes, one
 # core: none 79%, 1 KiB ahead 85%, 2 KiB 87%, 4 KiB 83%.
 PREFETCH_FLAT_BYTES = 2048
+# The flat form's middle loop is unrolled by its column masks' period, at most this many
+# chunks (28- and 56-float rows: 7).
+FLAT_UNROLL = 8
 IDENTITY = {"max": float("-inf"), "min": float("inf"), "sum": 0.0}
 # The channels_last register ring (``SeparableWriter.ring``): at most this many channel
 # vectors per block, and window columns times vectors at most this many registers.
@@ -480,11 +483,17 @@ class SeparableWriter:
             self.flat_pass(d)
             return
         self.emit(d, "__mmask16 nb_ = 0;")
+        self.emit(d, "__m512 nbv_ = _mm512_setzero_ps();")
         self.fast = True
         self.emit(d, "{")
         self.flat_pass(d + 1)
         self.emit(d, "}")
         self.fast = False
+        self.emit(
+            d,
+            "nb_ |= _mm512_cmp_ps_mask(_mm512_sub_ps(nbv_, nbv_), _mm512_setzero_ps(), "
+            "_CMP_NEQ_UQ);",
+        )
         self.emit(d, "if (nb_) {")
         self.flat_pass(d + 1)
         self.emit(d, "}")
@@ -496,9 +505,16 @@ class SeparableWriter:
         input) is computed while the column pass of chunk j takes its taps from the row
         results of chunks j - 1, j and j + 1 (``valignd``: a tap q columns away is the
         concatenation shifted by q lanes), each masked to the lanes whose column it stays
-        in. Masks come from tables, one entry per chunk. Stored non-temporally where the
-        output is large. No plane buffer: each input and output element passes through
-        memory once, and the row results never do."""
+        in. Stored non-temporally where the output is large. No plane buffer: each input
+        and output element passes through memory once, and the row results never do.
+
+        The loop runs in three parts. Where a chunk's row taps are inside the input and
+        its output lanes all in the plane (every chunk but the first and last rows'),
+        the loads are whole vectors, and the column masks, which repeat every
+        ``lcm(W, 16) / 16`` chunks, are constants of a loop unrolled by that period
+        (:data:`FLAT_UNROLL` at most); the chunks before and after take their masks from
+        tables, one entry per chunk. (Concat -> 3x3/1 max-pool over 28x28 planes, data
+        in L2, one core: 43 instructions a chunk with the tables everywhere.)"""
         p, st = self.p, self.st
         rows, cols = p.rows, p.cols
         red = st.reduction
@@ -511,9 +527,9 @@ class SeparableWriter:
             vals = ", ".join(self.w.c_float(float(x)) for x in p.divisor.reshape(-1))
             self.decls.append(f"static const float {self.div}[{p.divisor.size}] = {{{vals}}};")
 
-        def table(name: str, keep: Callable[[int], bool], entries: int) -> str:
-            """A table of lane masks, one per chunk (lanes past the plane never kept)."""
-            masks = [
+        def lane_masks(keep: Callable[[int], bool], entries: int) -> list[int]:
+            """A lane mask per chunk (lanes past the plane never kept)."""
+            return [
                 sum(
                     1 << lane
                     for lane in range(LANES)
@@ -521,9 +537,11 @@ class SeparableWriter:
                 )
                 for j in range(entries)
             ]
+
+        def table(name: str, masks: list[int]) -> str:
             ident = f"{self.buf}{name}_"
             decl = (
-                f"static const unsigned short {ident}[{entries}] = "
+                f"static const unsigned short {ident}[{len(masks)}] = "
                 f"{{{', '.join(str(x) for x in masks)}}};"
             )
             if decl not in self.decls:  # the fast and the exact plane share the tables
@@ -532,35 +550,37 @@ class SeparableWriter:
 
         ident = f"_mm512_set1_ps({self.identity()})"
         fv = "f_"
+        full = (1 << LANES) - 1
         # the row pass of the chunk at g_ (one more table entry: past the plane, no lanes)
         row_taps = []
+        row_offsets = [rows.offset + rows.dilation * k for k in range(rows.k0, rows.k1 + 1)]
         for k in range(rows.k0, rows.k1 + 1):
             dr = rows.offset + rows.dilation * k
-            mask = table(
-                f"r{k - rows.k0}",
-                lambda f, dr=dr: 0 <= f // out_w + dr < rows.size,
-                chunks + 1,
-            )
+            masks = lane_masks(lambda f, dr=dr: 0 <= f // out_w + dr < rows.size, chunks + 1)
             body = subst_body(red.body, {rows.kvar: Int(k)}, (cols.index, Var(fv)), row=Int(dr))
-            row_taps.append((mask, body))
+            row_taps.append((table(f"r{k - rows.k0}", masks), masks, body))
+        col_taps = []
+        for k in range(cols.k0, cols.k1 + 1):
+            q = cols.offset + cols.dilation * k
+            masks = lane_masks(lambda f, q=q: 0 <= f % out_w + q < out_w, chunks)
+            col_taps.append((q, table(f"c{k - cols.k0}", masks) if q else "", masks))
 
-        def row_pass(start: str, result: str) -> list[str]:
+        def row_pass(start: str, result: str, whole: bool) -> list[str]:
+            """``whole``: every tap's lanes inside the input (no masks)."""
             v = self.vec(fv, start)
             out: list[str] = []
             names = []
-            for i, (mask, body) in enumerate(row_taps):
-                m = f"(__mmask16){mask}[{start} >> 4]"
+            for i, (tab, _, body) in enumerate(row_taps):
+                m = f"(__mmask16){'0xFFFF' if whole else f'{tab}[{start} >> 4]'}"
                 v.mask = m
                 name = f"{result}{i}_"
-                if isinstance(body, Load):
-                    out.append(
-                        f"const __m512 {name} = _mm512_mask_loadu_ps({ident}, {m}, "
-                        f"{v.load_address(body)});"
-                    )
+                if whole:
+                    value = v.expr(body)
+                elif isinstance(body, Load):
+                    value = f"_mm512_mask_loadu_ps({ident}, {m}, {v.load_address(body)})"
                 else:  # the prologue of a masked-off lane must not reach the reduction
-                    out.append(
-                        f"const __m512 {name} = _mm512_mask_mov_ps({ident}, {m}, {v.expr(body)});"
-                    )
+                    value = f"_mm512_mask_mov_ps({ident}, {m}, {v.expr(body)})"
+                out.append(f"const __m512 {name} = {value};")
                 names.append(name)
                 if i == len(row_taps) - 1:
                     seen = set()
@@ -576,34 +596,31 @@ class SeparableWriter:
                             )
             if v.stride2:
                 raise Unsupported("a stride-2 load in the row pass")
-            self.reduce(names, out, result, check=names)
+            if whole and self.fast and self.p.op != "sum":
+                # the NaN test of a whole chunk: the taps ``sampled`` added up (NaN or
+                # inf in any lane: a non-finite sum, tested once after the plane)
+                self.reduce(names, out, result, check=[])
+                out += [f"nbv_ = _mm512_add_ps(nbv_, {names[i]});" for i in sampled]
+            else:
+                self.reduce(names, out, result, check=names)
             return out
 
-        plane = self.vec("w", "w0_").address(b, (Var("n"), Var("c"), Int(0), Int(0)))
-        nt = b.role == "output" and b.elements * 4 >= self.w.stream_min_bytes
-        self.emit(d, f"float *o_ = &{self.vec('w', 'w0_').ident(b)}[{plane}];")
-        self.emit(d, f"const int nt_ = {'((uintptr_t)o_ & 63) == 0' if nt else '0'};")
-        self.emit(d, f"__m512 rp_ = {ident}, rc_;")
-        self.emit(d, "{")
-        self.emit(d + 1, "const int g_ = 0;")
-        for line in row_pass("g_", "r0_"):
-            self.emit(d + 1, line)
-        self.emit(d + 1, "rc_ = r0_;")
-        self.emit(d, "}")
-        self.emit(d, f"for (int f0_ = 0; f0_ < {total}; f0_ += 16) {{")
-        dd = d + 1
-        self.emit(dd, "const int g_ = f0_ + 16;")
-        for line in row_pass("g_", "rn"):
-            self.emit(dd, line)
-        self.emit(dd, f"const __mmask16 mk = mw_range(0, {total - 1} - f0_);")
-        out: list[str] = []
-        names = []
-        for k in range(cols.k0, cols.k1 + 1):
-            q = cols.offset + cols.dilation * k
-            name = f"z{k - cols.k0}_"
-            if q == 0:
-                out.append(f"const __m512 {name} = rc_;")
-            else:
+        def chunk(j: int | None) -> list[str]:
+            """The statements of output chunk ``f0_``: ``j``, its index where the chunk
+            is whole (constant masks), else None (masks from the tables)."""
+            out = [
+                "const int g_ = f0_ + 16;",
+                *row_pass("g_", "rn", whole=j is not None),
+                "const __mmask16 mk = "
+                + ("(__mmask16)0xFFFF;" if j is not None else f"mw_range(0, {total - 1} - f0_);"),
+            ]
+            names = []
+            for i, (q, tab, masks) in enumerate(col_taps):
+                name = f"z{i}_"
+                names.append(name)
+                if q == 0:
+                    out.append(f"const __m512 {name} = rc_;")
+                    continue
                 # lanes q..q+15 of the row results (lo: the chunk before, hi: after)
                 lo, hi, shift = ("rp_", "rc_", LANES + q) if q < 0 else ("rc_", "rn", q)
                 shifted = (
@@ -614,31 +631,68 @@ class SeparableWriter:
                     else f"_mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512({hi}), "
                     f"_mm512_castps_si512({lo}), {shift}))"
                 )
-                m = table(f"c{k - cols.k0}", lambda f, q=q: 0 <= f % out_w + q < out_w, chunks)
+                if j is not None and masks[j] == full:
+                    out.append(f"const __m512 {name} = {shifted};")
+                    continue
+                m = f"0x{masks[j]:04X}" if j is not None else f"{tab}[f0_ >> 4]"
                 out.append(
-                    f"const __m512 {name} = _mm512_mask_mov_ps({ident}, "
-                    f"(__mmask16){m}[f0_ >> 4], {shifted});"
+                    f"const __m512 {name} = _mm512_mask_mov_ps({ident}, (__mmask16){m}, {shifted});"
                 )
-            names.append(name)
-        self.reduce(names, out, "t_", check=[])
-        v = self.vec("w", "w0_")
-        total_v = "t_"
-        if isinstance(p.divisor, float):
-            total_v = f"_mm512_div_ps(t_, _mm512_set1_ps({self.w.c_float(p.divisor)}))"
-        elif isinstance(p.divisor, np.ndarray):
-            total_v = f"_mm512_div_ps(t_, _mm512_maskz_loadu_ps(mk, &{self.div}[f0_]))"
-        out.append(f"const __m512 acc_v = {total_v};")
-        out.append(f"const __m512 y_ = {v.expr(self.epilogue)};")
-        if v.stride2:
-            raise Unsupported("a stride-2 load in the epilogue")
-        out.append(
-            "if (nt_ && mk == (__mmask16)0xFFFF) _mm512_stream_ps(o_ + f0_, y_); "
-            "else _mm512_mask_storeu_ps(o_ + f0_, mk, y_);"
+            self.reduce(names, out, "t_", check=[])
+            v = self.vec("w", "w0_")
+            total_v = "t_"
+            if isinstance(p.divisor, float):
+                total_v = f"_mm512_div_ps(t_, _mm512_set1_ps({self.w.c_float(p.divisor)}))"
+            elif isinstance(p.divisor, np.ndarray):
+                total_v = f"_mm512_div_ps(t_, _mm512_maskz_loadu_ps(mk, &{self.div}[f0_]))"
+            out.append(f"const __m512 acc_v = {total_v};")
+            out.append(f"const __m512 y_ = {v.expr(self.epilogue)};")
+            if v.stride2:
+                raise Unsupported("a stride-2 load in the epilogue")
+            whole_store = "nt_" if j is not None else "nt_ && mk == (__mmask16)0xFFFF"
+            out.append(
+                f"if ({whole_store}) _mm512_stream_ps(o_ + f0_, y_); "
+                "else _mm512_mask_storeu_ps(o_ + f0_, mk, y_);"
+            )
+            out.append("rp_ = rc_;")
+            out.append("rc_ = rn;")
+            return out
+
+        plane = self.vec("w", "w0_").address(b, (Var("n"), Var("c"), Int(0), Int(0)))
+        nt = b.role == "output" and b.elements * 4 >= self.w.stream_min_bytes
+        self.emit(d, f"float *o_ = &{self.vec('w', 'w0_').ident(b)}[{plane}];")
+        self.emit(d, f"const int nt_ = {'((uintptr_t)o_ & 63) == 0' if nt else '0'};")
+        self.emit(d, f"__m512 rp_ = {ident}, rc_;")
+        self.emit(d, "{")
+        self.emit(d + 1, "const int g_ = 0;")
+        for line in row_pass("g_", "r0_", whole=False):
+            self.emit(d + 1, line)
+        self.emit(d + 1, "rc_ = r0_;")
+        self.emit(d, "}")
+        first, stop, period = _whole_chunks(
+            [m for _, m, _ in row_taps], [m for _, _, m in col_taps], total
         )
-        out.append("rp_ = rc_;")
-        out.append("rc_ = rn;")
-        for line in out:
-            self.emit(dd, line)
+        sampled = _sampled_taps([m for _, m, _ in row_taps], row_offsets, out_w, first, stop)
+        self.emit(d, "int f0_ = 0;")
+        if stop > first:
+            self.emit(d, f"for (; f0_ < {first * LANES}; f0_ += 16) {{")
+            for line in chunk(None):
+                self.emit(d + 1, line)
+            self.emit(d, "}")
+            self.emit(
+                d, f"for (int F_ = {first * LANES}; F_ < {stop * LANES}; F_ += {period * LANES}) {{"
+            )
+            for u in range(period):
+                self.emit(d + 1, "{")
+                self.emit(d + 2, f"const int f0_ = F_ + {u * LANES};")
+                for line in chunk(first + u):
+                    self.emit(d + 2, line)
+                self.emit(d + 1, "}")
+            self.emit(d, "}")
+            self.emit(d, f"f0_ = {stop * LANES};")
+        self.emit(d, f"for (; f0_ < {total}; f0_ += 16) {{")
+        for line in chunk(None):
+            self.emit(d + 1, line)
         self.emit(d, "}")
 
     def write(self, d: int) -> None:
@@ -1109,3 +1163,56 @@ class SeparableWriter:
 
 
 __all__ = ["MAX_STACK_FLOATS", "Plan", "SeparableWriter", "plan"]
+
+
+def _whole_chunks(
+    row_masks: Sequence[list[int]], col_masks: Sequence[list[int]], total: int
+) -> tuple[int, int, int]:
+    """The flat plane's chunks ``first .. stop - 1`` whose row pass (of the chunk after:
+    ``row_masks[i][j + 1]``) loads whole vectors and whose output lanes are all in the
+    plane, as whole periods of the column masks (``col_masks[i][j]`` repeats every
+    ``period`` chunks); ``stop == first`` where there are none or the period is longer
+    than :data:`FLAT_UNROLL`."""
+    full = (1 << LANES) - 1
+    whole = [
+        all(m[j + 1] == full for m in row_masks) and (j + 1) * LANES <= total
+        for j in range(-(-total // LANES))
+    ]
+    if True not in whole:
+        return 0, 0, 1
+    first = whole.index(True)
+    end = first
+    while end < len(whole) and whole[end]:
+        end += 1
+    period = next(
+        (
+            t
+            for t in range(1, FLAT_UNROLL + 1)
+            if all(m[j] == m[j - t] for m in col_masks for j in range(first + t, end))
+        ),
+        None,
+    )
+    if period is None:
+        return first, first, 1
+    return first, first + (end - first) // period * period, period
+
+
+def _sampled_taps(
+    row_masks: Sequence[list[int]], offsets: Sequence[int], width: int, first: int, stop: int
+) -> list[int]:
+    """The row taps whose values the flat plane's whole chunks (``first .. stop - 1``)
+    test for NaN: the tap furthest down alone (each input element is then tested once,
+    the chunks before and after testing every tap) where that reaches every element the
+    taps read, checked element by element; else every tap."""
+    last = max(range(len(offsets)), key=lambda i: offsets[i])
+    chunks = len(row_masks[0]) - 1
+    read: set[int] = set()
+    tested: set[int] = set()
+    for g in range(chunks + 1):  # the row pass of chunk g (in iteration g - 1)
+        whole = first + 1 <= g < stop + 1
+        for i, (m, dr) in enumerate(zip(row_masks, offsets, strict=True)):
+            got = {g * LANES + lane + dr * width for lane in range(LANES) if m[g] >> lane & 1}
+            read |= got
+            if not whole or i == last:
+                tested |= got
+    return [last] if read <= tested else list(range(len(offsets)))
