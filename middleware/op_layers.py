@@ -77,6 +77,44 @@ register(
 )
 
 
+def _conv2d_dw(node: Node) -> Kernel:
+    """A 1x1 convolution and the depthwise 3x3 convolution (padding 1, ``stride``) that
+    reads it, as one layer (the fuse_depthwise pass): ``y = act2(dw(act1(conv1x1(x, w1) +
+    b1), wdw) + bdw)``, each activation optional (``activation`` / ``dw_activation``)."""
+    stride = int(node.attrs["stride"])
+    act1 = post_op_fn(node)
+    name2 = node.attrs.get("dw_activation")
+    act2 = activation_fn(name2, dict(node.attrs.get("dw_activation_attrs", ()))) if name2 else None
+
+    def conv2d_dw(x, w1, b1, wdw, bdw):
+        y = torch.conv2d(x, w1, b1)
+        y = act1(y) if act1 is not None else y
+        y = torch.conv2d(y, wdw, bdw, stride, 1, 1, wdw.shape[0])
+        return act2(y) if act2 is not None else y
+
+    return conv2d_dw
+
+
+def conv2d_dw_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
+    n, c, h, w = ins[0].shape
+    k = ins[1].shape[0]
+    return 2.0 * n * h * w * k * c + 2.0 * outs[0].numel * 9
+
+
+register(
+    OpDef(
+        "conv2d_dw",
+        Bound.COMPUTE,
+        _conv2d_dw,
+        flops_fn=conv2d_dw_flops,
+        per_sample=True,
+        layout_preserving=True,
+        weight_inputs=frozenset({1, 3}),
+        image_op=True,
+    )
+)
+
+
 def _linear(node: Node) -> Kernel:
     """Fully connected layer, optionally with a fused ``activation`` (see ``_conv2d``)."""
     act = post_op_fn(node)

@@ -67,7 +67,12 @@ from .report import Report, make_report
 # reach the parameters themselves, so a training plan runs without them.
 # The decompositions (LayerNorm, softmax): a mean, sum or max over a map's last
 # dims has no backward rule (ATen's norm and softmax backward run instead)
-TRAINING_DISABLED_PASSES = ("fold_batchnorm", "fuse_vendor_epilogue", *DECOMPOSITIONS)
+TRAINING_DISABLED_PASSES = (
+    "fold_batchnorm",
+    "fuse_vendor_epilogue",
+    "fuse_depthwise",
+    *DECOMPOSITIONS,
+)
 
 # A generated group of one op fuses nothing, and as an autograd function it would save its
 # input where PyTorch's own backward saves what the op needs: a ReLU after a batch-norm

@@ -253,6 +253,12 @@ DIRECT = Algorithm(
     description="generated direct convolution (depthwise: SIMD over channels; else blocked "
     "pixels x output channels), epilogue fused, no workspace",
 )
+CONV_DW_VENDOR = dataclasses.replace(
+    VENDOR,
+    op="conv2d_dw",
+    description="oneDNN: the 1x1 convolution with the depthwise 3x3 one fused as its "
+    "post-op (one primitive; the expanded tensor stays in cache)",
+)
 LINEAR_VENDOR = dataclasses.replace(
     VENDOR, op="linear", description="oneDNN/MKL (packed where measured faster) or F.linear"
 )
@@ -323,6 +329,7 @@ FLASH = Algorithm(
 # Per op, its algorithms by name; the first is the default's fallback.
 ALGORITHMS: dict[str, dict[str, Algorithm]] = {
     "conv2d": {a.name: a for a in (VENDOR, WINOGRAD_F4X4, IM2COL_GEMM, WINOGRAD_F2X2, DIRECT)},
+    "conv2d_dw": {CONV_DW_VENDOR.name: CONV_DW_VENDOR},
     "linear": {a.name: a for a in (LINEAR_VENDOR, GEMV)},
     SDPA: {a.name: a for a in (SDPA_VENDOR, FLASH)},
 }

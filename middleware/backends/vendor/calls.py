@@ -65,13 +65,14 @@ class OneDnnPostOp:
     algorithm: str = ""
 
 
-def activation_attrs(node: Node) -> tuple[str | None, dict[str, Any]]:
-    """The node's fused activation name (None if none) and its attrs, defaults filled in."""
-    name = node.attrs.get("activation") or None
+def activation_attrs(node: Node, key: str = "activation") -> tuple[str | None, dict[str, Any]]:
+    """The node's fused activation name (None if none) and its attrs, defaults filled in
+    (``key``: "dw_activation", the depthwise layer's of a ``conv2d_dw``)."""
+    name = node.attrs.get(key) or None
     if name is None:
         return None, {}
     attrs = dict(get_op(name).defaults)
-    attrs.update(dict(node.attrs.get("activation_attrs", ())))
+    attrs.update(dict(node.attrs.get(f"{key}_attrs", ())))
     return name, attrs
 
 
@@ -168,6 +169,9 @@ def vendor_kernel(
     is on, a CPU convolution runs as a oneDNN primitive created here (``onednn.py``).
     """
     dev = torch.device(device)
+    if dev.type == "cpu" and node.op == "conv2d_dw":
+        fn = _cpu_conv_dw(graph, node, options)
+        return None if fn is None else holds_constants(fn, node)
     if dev.type == "cpu" and node.op in ("conv2d", "linear"):
         fn = _cpu_conv(graph, node, options) if node.op == "conv2d" else _cpu_linear(graph, node)
         return None if fn is None else holds_constants(fn, node)
@@ -230,6 +234,31 @@ def _cpu_conv_primitive(graph: Graph, node: Node, options: Options) -> Kernel | 
     if residual and post is not None and post.attr != "none" and not _after_binary(name):
         return None  # oneDNN refuses it after the binary add: the ideep call's ATen form
     return onednn.direct_conv(graph, node, weight, bias, post, _conv_geometry(node), options)
+
+
+def _cpu_conv_dw(graph: Graph, node: Node, options: Options | None) -> Kernel | None:
+    """A ``conv2d_dw`` node (passes/fuse_depthwise.py) as one oneDNN primitive with the
+    depthwise layer fused as a post-op (``onednn.fused_dw_conv``); None without the
+    primitives (the catalogue reference then runs the two convolutions)."""
+    if options is None or not options.onednn_primitives or onednn.unavailable(options):
+        return None
+    x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    params = [_param(graph, v) for v in node.inputs[1:]]
+    if x_t.dtype != "float32" or any(p is None for p in params):
+        return None
+    posts = (
+        onednn_post_op(*activation_attrs(node)),
+        onednn_post_op(*activation_attrs(node, "dw_activation")),
+    )
+    return onednn.fused_dw_conv(
+        node.name,
+        tuple(x_t.shape),
+        tuple(out_t.shape),
+        int(node.attrs["stride"]),
+        tuple(params),  # type: ignore[arg-type]
+        posts,
+        options,
+    )
 
 
 def _conv_operands(

@@ -157,6 +157,7 @@ _API = (
     "dnnl_primitive_attr_create dnnl_primitive_attr_destroy dnnl_primitive_attr_set_post_ops "
     "dnnl_primitive_attr_set_scratchpad_mode dnnl_post_ops_create dnnl_post_ops_destroy "
     "dnnl_post_ops_append_eltwise dnnl_post_ops_append_binary dnnl_post_ops_append_sum "
+    "dnnl_post_ops_append_dw dnnl_memory_desc_query "
     "dnnl_convolution_forward_primitive_desc_create dnnl_primitive_desc_query_md "
     "dnnl_primitive_desc_query "
     "dnnl_primitive_desc_destroy dnnl_primitive_create dnnl_primitive_destroy "
@@ -234,6 +235,21 @@ class _Library:
         self.run = lib.mw_conv_run
         self.run.restype = ctypes.c_int
         self.run.argtypes = [ctypes.c_void_p] * 5
+        self.dw_create = lib.mw_conv_dw_create
+        self.dw_create.restype = ctypes.c_void_p
+        self.dw_create.argtypes = [
+            ctypes.POINTER(ctypes.c_long), ctypes.c_char_p, ctypes.c_float, ctypes.c_float,
+            ctypes.c_char_p, ctypes.c_float, ctypes.c_float, ctypes.c_char_p, ctypes.c_int,
+        ]  # fmt: skip
+        self.dw_bytes = lib.mw_conv_dw_bytes
+        self.dw_bytes.restype = ctypes.c_long
+        self.dw_bytes.argtypes = [ctypes.c_void_p]
+        self.dw_dst = lib.mw_conv_dw_dst
+        self.dw_dst.restype = None
+        self.dw_dst.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_long)]
+        self.dw_prepare = lib.mw_conv_dw_prepare
+        self.dw_prepare.restype = ctypes.c_int
+        self.dw_prepare.argtypes = [ctypes.c_void_p] * 7
 
 
 _lock = threading.Lock()
@@ -653,3 +669,141 @@ def scratch(nbytes: int) -> int:
 def _strides(shape: tuple[int, ...], nhwc: bool) -> tuple[int, ...]:
     n, c, h, w = shape
     return (c * h * w, 1, w * c, c) if nhwc else (c * h * w, h * w, w, 1)
+
+
+def fused_dw_conv(
+    node_name: str,
+    in_shape: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    stride: int,
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    posts: tuple[Any, Any],  # calls.OneDnnPostOp of the 1x1 and of the depthwise layer
+    options: Options,
+) -> Kernel | None:
+    """A 1x1 convolution and the depthwise 3x3 convolution (padding 1, ``stride``) that
+    reads it, channels_last, as one oneDNN primitive with the depthwise layer fused as its
+    ``dw`` post-op (``mw_conv_dw_create``): oneDNN computes the expanded tensor between
+    them a few rows at a time in cache instead of writing and reading it whole. ``params``:
+    the 1x1 weight (OC, IC, 1, 1) and bias, the depthwise weight (OC, 1, 3, 3) and bias;
+    ``posts``: each layer's activation. None where it cannot be built (no shim, an
+    activation oneDNN does not fuse, only oneDNN's reference loops, another output size).
+    The result takes the node's inputs (the weights held, not read) and returns the
+    depthwise layer's output, dense channels_last; ``out`` writes a given dense output,
+    ``native`` offers the call to the native runner."""
+    lib = _library(options.cache_dir)
+    if isinstance(lib, str):
+        return None
+    elts = []
+    for post in posts:
+        if post is None or (post.attr != "none" and post.attr not in ELTWISE):
+            return None
+        elts.append(
+            ("", 0.0, 0.0)
+            if post.attr == "none"
+            else ELTWISE[post.attr](tuple(post.scalars), post.algorithm)
+        )
+    n, ic, h, w = (int(v) for v in in_shape)
+    shape = tuple(int(v) for v in out_shape)
+    w1, b1, wdw, bdw = (t.contiguous() for t in params)
+    geometry = (ctypes.c_long * 6)(n, ic, h, w, shape[1], stride)
+    in_strides, out_strides = _strides(tuple(in_shape), True), _strides(shape, True)
+    handles: dict[int, int | None] = {}
+    tensors: list[torch.Tensor] = [w1, b1, wdw, bdw]  # the plain weights: for another
+    state = {"scratch": 0}  # thread count's primitive (packed formats may differ)
+    busy = threading.Lock()
+
+    def build() -> int | None:
+        err = ctypes.create_string_buffer(256)
+        (e1, a1, c1), (e2, a2, c2) = elts
+        hd = lib.dw_create(geometry, e1.encode(), a1, c1, e2.encode(), a2, c2, err, 256)
+        if not hd:
+            return None
+        impl = lib.impl(hd).decode()
+        dims = (ctypes.c_long * 4)()
+        lib.dw_dst(hd, dims)
+        # "ref_fused_convolution:any:<1x1>:<dw>" runs the two fast kernels row block by
+        # row block; a plain "ref:" (or a reference part) is oneDNN's slow loops
+        parts = impl.removeprefix("ref_fused_convolution:any:")
+        if "ref" in parts or tuple(dims) != shape:
+            lib.destroy(hd)
+            return None
+        packed = torch.empty(max(1, lib.bytes(hd, 0)), dtype=torch.uint8)
+        packed_dw = torch.empty(max(1, lib.dw_bytes(hd)), dtype=torch.uint8)
+        rc = lib.dw_prepare(
+            hd, w1.data_ptr(), packed.data_ptr(), b1.data_ptr(),
+            wdw.data_ptr(), packed_dw.data_ptr(), bdw.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            lib.destroy(hd)
+            return None
+        tensors.extend((packed, packed_dw))
+        state["scratch"] = max(state["scratch"], lib.bytes(hd, 1))
+        return hd
+
+    def handle() -> int | None:
+        # oneDNN splits the work for the thread count at creation: one per count
+        k = torch.get_num_threads()
+        if k not in handles:
+            with busy:
+                if k not in handles:
+                    handles[k] = build()
+        return handles[k]
+
+    def close() -> None:
+        for hd in handles.values():
+            if hd:
+                lib.destroy(hd)
+        handles.clear()
+
+    if handle() is None:  # refused at plan time
+        close()
+        return None
+
+    run = lib.run
+    run_address = native_address(run)
+
+    def dense(t: torch.Tensor, want: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+        return tuple(t.shape) == want and all(
+            a == b for a, b, m in zip(t.stride(), strides, want, strict=True) if m != 1
+        )
+
+    def conv_dw_out(x, *rest):
+        """Destination form: ``rest`` ends with the dense channels_last output."""
+        y = rest[-1]
+        if not dense(y, shape, out_strides):
+            raise ValueError(
+                f"{node_name}: the fused oneDNN convolution writes a dense {shape} "
+                f"channels_last output, got {tuple(y.shape)} strided {y.stride()}"
+            )
+        if not dense(x, tuple(in_shape), in_strides):
+            x = x.contiguous(memory_format=torch.channels_last)
+        hd = handle()
+        if hd is None:
+            raise RuntimeError(f"{node_name}: oneDNN refused the fused convolution")
+        with busy:  # the primitive's memory objects: one call at a time
+            if run(hd, x.data_ptr(), y.data_ptr(), None, scratch(state["scratch"])):
+                raise RuntimeError(f"{node_name}: the fused oneDNN convolution failed")
+
+    def conv_dw_native(x, *rest):
+        y = rest[-1]
+        hd = handle()
+        if (
+            hd is None
+            or not dense(y, shape, out_strides)
+            or not dense(x, tuple(in_shape), in_strides)
+        ):
+            return None
+        return NativeCall(run_address, (hd, x, y, 0, SCRATCH), True, state["scratch"])
+
+    def conv_dw(x, *rest):
+        y = torch.empty(shape, dtype=torch.float32, memory_format=torch.channels_last)
+        conv_dw_out(x, *rest, y)
+        return y
+
+    conv_dw_out.native = conv_dw_native  # type: ignore[attr-defined]
+    conv_dw_out.dense_only = True  # type: ignore[attr-defined]
+    conv_dw.out = conv_dw_out  # type: ignore[attr-defined]
+    conv_dw.keep = tensors  # type: ignore[attr-defined]
+    # not at interpreter exit: a daemon thread may still be inside a call then
+    weakref.finalize(conv_dw, close).atexit = False
+    return conv_dw
