@@ -32,11 +32,14 @@ needs_primitives = pytest.mark.skipif(
 )
 
 
-def _pair(ic: int, oc: int, stride: int, act1: str, act2: str, bias: bool, bn: bool) -> nn.Module:
-    layers: list[nn.Module] = [nn.Conv2d(ic, oc, 1, bias=bias)]
+def _pair(
+    ic: int, oc: int, stride: int, act1: str, act2: str, bias: bool | tuple[bool, bool], bn: bool
+) -> nn.Module:
+    b1, b2 = bias if isinstance(bias, tuple) else (bias, bias)
+    layers: list[nn.Module] = [nn.Conv2d(ic, oc, 1, bias=b1)]
     if bn:
         layers.append(nn.BatchNorm2d(oc))
-    layers += [ACTIVATIONS[act1](), nn.Conv2d(oc, oc, 3, stride, 1, groups=oc, bias=bias)]
+    layers += [ACTIVATIONS[act1](), nn.Conv2d(oc, oc, 3, stride, 1, groups=oc, bias=b2)]
     if bn:
         layers.append(nn.BatchNorm2d(oc))
     layers.append(ACTIVATIONS[act2]())
@@ -75,8 +78,10 @@ def _check(
     assert opt.plan is not None
     rows = [r for r in opt.report().rows if r.op == "conv2d_dw"]
     assert bool(rows) == fused, opt.report()
-    if fused:
+    if fused:  # the fused primitive itself, not the reference's two convolutions
         assert all(r.runs_as == RunsAs.VENDOR for r in rows), opt.report()
+        note = next(n for n in opt.report().notes if "primitives created once" in n)
+        assert f"({len(rows)} of them a 1x1 and a depthwise" in note, note
     return opt
 
 
@@ -91,7 +96,7 @@ def _check(
     stride=st.sampled_from([1, 2]),
     act1=st.sampled_from(sorted(ACTIVATIONS)),
     act2=st.sampled_from(sorted(ACTIVATIONS)),
-    bias=st.booleans(),
+    bias=st.tuples(st.booleans(), st.booleans()),
     bn=st.booleans(),
     batch=st.sampled_from([1, 5]),
     channels_last=st.booleans(),
@@ -142,6 +147,14 @@ def test_a_network_of_pairs_runs_natively(tmp_path) -> None:  # noqa: ANN001
     opt = _check(m, x, tmp_path, fused=True, hardware=SMALL_L2)
     assert opt.plan.native is not None, opt.plan.notes
     assert sum(r.op == "conv2d_dw" for r in opt.report().rows) == 2
+    threads = torch.get_num_threads()
+    try:  # another thread count: its own primitives (built on first use)
+        torch.set_num_threads(1 if threads > 1 else 2)
+        with torch.inference_mode():
+            ref, got = m(x), opt(x)
+        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(

@@ -719,12 +719,13 @@ def test_every_catalogue_op_is_covered() -> None:
     only the layout pass inserts — by tests/test_layout.py (``channel_shuffle`` too, and by
     tests/test_fusion_ops.py), ``pointwise_grad`` and
     ``narrow`` — which only the backward rules emit — by tests/test_generated_backward.py,
-    the pooling backward ops by tests/test_backward_pooling.py)."""
+    the pooling backward ops by tests/test_backward_pooling.py, ``conv2d_dw`` — which only
+    the fuse_depthwise pass writes — by tests/test_fuse_depthwise.py)."""
     by_spelling = {c[1] for c in CASES}
     by_hand = {"maxpool_relu", "conv2d", "linear"}
     elsewhere = {"fallback", "to_layout", "pointwise_grad", "narrow", "channel_shuffle"}
     elsewhere |= {"pool_argmax", "max_pool2d_backward", "avg_pool2d_backward"}
-    elsewhere |= {"adaptive_avg_pool2d_backward"}
+    elsewhere |= {"adaptive_avg_pool2d_backward", "conv2d_dw"}
     missing = set(CATALOGUE) - by_spelling - by_hand - elsewhere
     assert not missing, f"catalogue ops without a test: {sorted(missing)}"
 

@@ -23,6 +23,7 @@ EXPECTED = [
     "merge_pool_relu",
     "fuse_vendor_epilogue",
     "layout",
+    "fuse_depthwise",
     "classify",
     "group",
 ]
@@ -100,12 +101,13 @@ def test_disable_passes_and_debug_dir(tmp_path):
         "006_pool_before_concat.txt",
         "008_fuse_vendor_epilogue.txt",
         "009_layout.txt",
-        "010_classify.txt",
-        "011_group.txt",
+        "010_fuse_depthwise.txt",
+        "011_classify.txt",
+        "012_group.txt",
     ]
     ops = [n.op for n in om.graph.nodes()]
     assert "batch_norm" in ops and "maxpool_relu" not in ops
-    assert "[io g" in (debug / "011_group.txt").read_text()
+    assert "[io g" in (debug / "012_group.txt").read_text()
     assert set(om.graph.meta["pass_times"]) == set(EXPECTED) - {"fold_batchnorm", "merge_pool_relu"}
 
 

@@ -74,7 +74,7 @@ def _batch_of(graph: Graph) -> int | None:
 # Ops whose inputs after the first are weights: the prefix slices their activation only, so
 # the weights must be graph constants (a weight computed from the batch, even one whose
 # first dim happens to equal the batch, mixes the samples).
-WEIGHTED_OPS = frozenset({"conv2d", "linear"})
+WEIGHTED_OPS = frozenset({"conv2d", "conv2d_dw", "linear"})
 
 
 def batched_values(graph: Graph, batch: int) -> set[str]:

@@ -177,6 +177,8 @@ def op_label(node: Node) -> str:
         label += f"+{act}"
     if node.op == "maxpool_relu":
         label = f"maxpool+{act}"
+    if node.attrs.get("dw_activation"):  # conv2d_dw: the depthwise layer's
+        label += f"+dw+{node.attrs['dw_activation']}"
     return label
 
 

@@ -16,6 +16,7 @@ from ...graph import Graph
 from ...hardware import Hardware
 from ...options import Options
 from ..interface import Unit
+from ..vendor import onednn
 from ..x86.backend import IspcBackend, X86Backend
 from .units import cpu_units
 
@@ -31,6 +32,16 @@ class CpuBackend(X86Backend):
     def check_runtime(self) -> None:
         """A CPU plan needs nothing beyond PyTorch (the C compiler is checked per kernel:
         a group that fails to compile runs through the framework)."""
+
+    def passes_off(self, options: Options) -> tuple[str, ...]:
+        """``fuse_depthwise`` where its layer would not run as the fused oneDNN primitive
+        (no primitives: the reference's two ATen convolutions would replace two prepacked
+        calls) or where the user chose conv2d algorithms (a list or a callable counts the
+        conv2d layers, two of which the pass would merge)."""
+        chosen = any(op == "conv2d" and sel != "default" for op, sel in options.algorithms)
+        if chosen or not options.onednn_primitives or onednn.unavailable(options):
+            return ("fuse_depthwise",)
+        return ()
 
     def lower(self, graph: Graph, options: Options) -> Graph:
         """No CPU-specific rewrites: the passes' graph is what runs."""

@@ -250,14 +250,17 @@ def _cpu_conv_dw(graph: Graph, node: Node, options: Options | None) -> Kernel | 
         onednn_post_op(*activation_attrs(node)),
         onednn_post_op(*activation_attrs(node, "dw_activation")),
     )
+    ref = get_op(node.op).bind(node)
+    held = tuple(params)
     return onednn.fused_dw_conv(
         node.name,
         tuple(x_t.shape),
         tuple(out_t.shape),
         int(node.attrs["stride"]),
-        tuple(params),  # type: ignore[arg-type]
+        held,  # type: ignore[arg-type]
         posts,
         options,
+        lambda x: ref(x, *held),
     )
 
 

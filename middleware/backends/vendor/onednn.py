@@ -338,11 +338,17 @@ def primitives_note(steps: Sequence[Any]) -> str | None:
     """The report's note on how the CPU vendor convolutions among ``steps`` (a plan's) call
     oneDNN: as primitives created once, or through ``torch.ops.mkldnn`` and why."""
     with_prims = sum(1 for st in steps if hasattr(st.fn, "primitives"))
+    fused = sum(1 for st in steps if getattr(st.fn, "primitives", None) == FUSED_DW)
     if with_prims:
+        pairs = (
+            f" ({fused} of them a 1x1 and a depthwise 3x3 convolution as one, the dw post-op)"
+            if fused
+            else ""
+        )
         return (
-            f"{with_prims} convolution(s) run as oneDNN primitives created once (PyTorch's "
-            "oneDNN through its C API: no per-call setup); Options(onednn_primitives=False) "
-            "calls torch.ops.mkldnn instead"
+            f"{with_prims} convolution(s) run as oneDNN primitives created once{pairs} "
+            "(PyTorch's oneDNN through its C API: no per-call setup); "
+            "Options(onednn_primitives=False) calls torch.ops.mkldnn instead"
         )
     why = _state.get("lib")
     if isinstance(why, str) and any(
@@ -671,6 +677,10 @@ def _strides(shape: tuple[int, ...], nhwc: bool) -> tuple[int, ...]:
     return (c * h * w, 1, w * c, c) if nhwc else (c * h * w, h * w, w, 1)
 
 
+# the marker of a fused 1x1 + depthwise call (its ``primitives`` attribute)
+FUSED_DW = "fused_dw"
+
+
 def fused_dw_conv(
     node_name: str,
     in_shape: tuple[int, ...],
@@ -679,6 +689,7 @@ def fused_dw_conv(
     params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     posts: tuple[Any, Any],  # calls.OneDnnPostOp of the 1x1 and of the depthwise layer
     options: Options,
+    reference: Callable[[torch.Tensor], torch.Tensor],
 ) -> Kernel | None:
     """A 1x1 convolution and the depthwise 3x3 convolution (padding 1, ``stride``) that
     reads it, channels_last, as one oneDNN primitive with the depthwise layer fused as its
@@ -689,7 +700,9 @@ def fused_dw_conv(
     activation oneDNN does not fuse, only oneDNN's reference loops, another output size).
     The result takes the node's inputs (the weights held, not read) and returns the
     depthwise layer's output, dense channels_last; ``out`` writes a given dense output,
-    ``native`` offers the call to the native runner."""
+    ``native`` offers the call to the native runner. ``reference``: the layer on a source
+    (the catalogue's two convolutions), for a thread count oneDNN refuses the primitive
+    at."""
     lib = _library(options.cache_dir)
     if isinstance(lib, str):
         return None
@@ -750,10 +763,11 @@ def fused_dw_conv(
         return handles[k]
 
     def close() -> None:
-        for hd in handles.values():
-            if hd:
-                lib.destroy(hd)
-        handles.clear()
+        with busy:
+            for hd in handles.values():
+                if hd:
+                    lib.destroy(hd)
+            handles.clear()
 
     if handle() is None:  # refused at plan time
         close()
@@ -778,8 +792,9 @@ def fused_dw_conv(
         if not dense(x, tuple(in_shape), in_strides):
             x = x.contiguous(memory_format=torch.channels_last)
         hd = handle()
-        if hd is None:
-            raise RuntimeError(f"{node_name}: oneDNN refused the fused convolution")
+        if hd is None:  # refused at this thread count (built at the plan's)
+            y.copy_(reference(x))
+            return
         with busy:  # the primitive's memory objects: one call at a time
             if run(hd, x.data_ptr(), y.data_ptr(), None, scratch(state["scratch"])):
                 raise RuntimeError(f"{node_name}: the fused oneDNN convolution failed")
@@ -804,6 +819,7 @@ def fused_dw_conv(
     conv_dw_out.dense_only = True  # type: ignore[attr-defined]
     conv_dw.out = conv_dw_out  # type: ignore[attr-defined]
     conv_dw.keep = tensors  # type: ignore[attr-defined]
+    conv_dw.primitives = FUSED_DW  # type: ignore[attr-defined]  # primitives_note counts it
     # not at interpreter exit: a daemon thread may still be inside a call then
     weakref.finalize(conv_dw, close).atexit = False
     return conv_dw
