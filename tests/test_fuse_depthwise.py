@@ -168,14 +168,17 @@ def test_a_network_of_pairs_runs_natively(tmp_path) -> None:  # noqa: ANN001
         "small",
         "disabled",
         "training",
+        "named_algorithm",
         "control",
+        "auto",
     ],
 )
 def test_pairs_left_alone(case: str, tmp_path) -> None:  # noqa: ANN001
     """What the fused primitive does not compute stays two layers, with PyTorch's values:
     a 5x5 or dilated depthwise layer, stride 3, a strided 1x1, an expanded tensor read by
-    another layer too, one that fits the caches, the pass switched off, training. (The
-    control: the same net unchanged is fused.)"""
+    another layer too, one that fits the caches, the pass switched off, training, conv2d
+    algorithms the user named. (The controls: the same net unchanged, or with
+    ``algorithms="auto"``, is fused.)"""
     options: dict = {"hardware": SMALL_L2}
     dw = {"kernel_size": 3, "stride": 1, "padding": 1, "dilation": 1}
     pw_stride = 1
@@ -191,6 +194,10 @@ def test_pairs_left_alone(case: str, tmp_path) -> None:  # noqa: ANN001
         options = {}  # the host's caches: a 16-channel 9x9 tensor fits them
     elif case == "disabled":
         options["disable_passes"] = ("fuse_depthwise",)
+    elif case == "named_algorithm":  # every conv2d layer the user's: none merged away
+        options["algorithms"] = {"conv2d": "vendor"}
+    elif case == "auto":  # the middleware decides: the pair stays fused
+        options["algorithms"] = {"conv2d": "auto"}
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -213,4 +220,4 @@ def test_pairs_left_alone(case: str, tmp_path) -> None:  # noqa: ANN001
         assert torch.allclose(y, m(x), rtol=1e-5, atol=1e-5)
         assert not any(r.op == "conv2d_dw" for r in opt.report().rows)
         return
-    _check(m, x, tmp_path, fused=case == "control", **options)
+    _check(m, x, tmp_path, fused=case in ("control", "auto"), **options)

@@ -17,6 +17,7 @@ from ...hardware import Hardware
 from ...options import Options
 from ..interface import Unit
 from ..vendor import onednn
+from ..vendor.algorithms import AUTO, AUTOTUNE, DEFAULT
 from ..x86.backend import IspcBackend, X86Backend
 from .units import cpu_units
 
@@ -36,9 +37,13 @@ class CpuBackend(X86Backend):
     def passes_off(self, options: Options) -> tuple[str, ...]:
         """``fuse_depthwise`` where its layer would not run as the fused oneDNN primitive
         (no primitives: the reference's two ATen convolutions would replace two prepacked
-        calls) or where the user chose conv2d algorithms (a list or a callable counts the
-        conv2d layers, two of which the pass would merge)."""
-        chosen = any(op == "conv2d" and sel != "default" for op, sel in options.algorithms)
+        calls) or where the user named conv2d algorithms (one name for every layer, a list
+        or a callable: each counts on the conv2d layers, two of which the pass would
+        merge). "auto" and "autotune" keep it: the middleware decides there."""
+        chosen = any(
+            op == "conv2d" and sel not in (DEFAULT, AUTO, AUTOTUNE)
+            for op, sel in options.algorithms
+        )
         if chosen or not options.onednn_primitives or onednn.unavailable(options):
             return ("fuse_depthwise",)
         return ()
