@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from middleware.backends.reference import ReferenceBackend
 from middleware.backends.x86 import X86Backend
@@ -230,3 +231,22 @@ def conv_graph(
     g.add_node(node, infer_types(g.values, node))
     g.set_outputs("y")
     return g, node
+
+
+def reinit(m: nn.Module, seed: int) -> nn.Module:
+    """Weights that keep the activations' variance (random networks otherwise fade to
+    outputs near zero), batch-norm statistics away from the identity."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, (nn.Conv2d, nn.Linear)):
+                fan_in = mod.weight[0].numel()
+                mod.weight.copy_(torch.randn(mod.weight.shape, generator=g) * (2 / fan_in) ** 0.5)
+                if mod.bias is not None:
+                    mod.bias.copy_(torch.randn(mod.bias.shape, generator=g) * 0.1)
+            elif isinstance(mod, nn.BatchNorm2d):
+                mod.running_mean.copy_(torch.randn(mod.num_features, generator=g) * 0.1)
+                mod.running_var.copy_(torch.rand(mod.num_features, generator=g) + 0.5)
+                mod.weight.copy_(torch.rand(mod.num_features, generator=g) + 0.5)
+                mod.bias.copy_(torch.randn(mod.num_features, generator=g) * 0.1)
+    return m.eval()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from fusion_helpers import reinit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -43,21 +44,7 @@ def _pair(
     if bn:
         layers.append(nn.BatchNorm2d(oc))
     layers.append(ACTIVATIONS[act2]())
-    m = nn.Sequential(*layers).eval()
-    gen = torch.Generator().manual_seed(ic * 131 + oc)
-    with torch.no_grad():
-        for mod in m.modules():
-            if isinstance(mod, nn.Conv2d):  # activations of unit variance
-                fan_in = mod.weight[0].numel()
-                mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen) / fan_in**0.5)
-                if mod.bias is not None:
-                    mod.bias.copy_(torch.randn(mod.bias.shape, generator=gen) * 0.2)
-            if isinstance(mod, nn.BatchNorm2d):
-                mod.running_mean.copy_(torch.randn(mod.num_features, generator=gen) * 0.2)
-                mod.running_var.copy_(torch.rand(mod.num_features, generator=gen) + 0.5)
-                mod.weight.copy_(torch.rand(mod.num_features, generator=gen) + 0.5)
-                mod.bias.copy_(torch.randn(mod.num_features, generator=gen) * 0.2)
-    return m
+    return reinit(nn.Sequential(*layers), ic * 131 + oc)
 
 
 def _check(

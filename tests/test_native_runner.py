@@ -15,29 +15,11 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from fusion_helpers import reinit
 
 import middleware
 from middleware.backends.interface import NativeCall
 from middleware.runtime.native import NativeProgram
-
-
-def _reinit(m: nn.Module, seed: int) -> nn.Module:
-    """Weights that keep the activations' variance (random networks otherwise fade to
-    outputs near zero), batch-norm statistics away from the identity."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for mod in m.modules():
-            if isinstance(mod, (nn.Conv2d, nn.Linear)):
-                fan_in = mod.weight[0].numel()
-                mod.weight.copy_(torch.randn(mod.weight.shape, generator=g) * (2 / fan_in) ** 0.5)
-                if mod.bias is not None:
-                    mod.bias.copy_(torch.randn(mod.bias.shape, generator=g) * 0.1)
-            elif isinstance(mod, nn.BatchNorm2d):
-                mod.running_mean.copy_(torch.randn(mod.num_features, generator=g) * 0.1)
-                mod.running_var.copy_(torch.rand(mod.num_features, generator=g) + 0.5)
-                mod.weight.copy_(torch.rand(mod.num_features, generator=g) + 0.5)
-                mod.bias.copy_(torch.randn(mod.num_features, generator=g) * 0.1)
-    return m.eval()
 
 
 class Block(nn.Module):
@@ -91,7 +73,7 @@ def _native_equals_python(m: nn.Module, x: torch.Tensor) -> middleware.Optimized
 @pytest.mark.parametrize("seed", range(6))
 def test_random_networks_equal_the_python_steps_and_pytorch(seed: int) -> None:
     rng = random.Random(seed)
-    m = _reinit(Net(rng), seed)
+    m = reinit(Net(rng), seed)
     batch = 1 if seed % 3 else 2  # the linear head of two rows is a framework call
     x = torch.randn(batch, 3, rng.choice([16, 24, 33]), 20)
     on = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
@@ -115,7 +97,7 @@ def test_random_networks_equal_the_python_steps_and_pytorch(seed: int) -> None:
 
 def _mobile() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
-    return _reinit(Net(random.Random(3)), 3), torch.randn(1, 3, 32, 32)
+    return reinit(Net(random.Random(3)), 3), torch.randn(1, 3, 32, 32)
 
 
 def test_held_outputs_are_not_overwritten() -> None:
@@ -196,7 +178,7 @@ class WithFallback(nn.Module):
 
 
 def test_a_step_that_is_not_one_c_call_keeps_the_python_steps() -> None:
-    m = _reinit(WithFallback(), 1)
+    m = reinit(WithFallback(), 1)
     x = torch.randn(1, 3, 12, 12)
     om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
     with torch.no_grad():
@@ -242,7 +224,7 @@ class Flat(nn.Module):
 
 def test_views_run_as_nothing() -> None:
     """A flatten between the layers is a view of the arena: no call, the same answer."""
-    on = _native_equals_python(_reinit(Flat(), 2), torch.randn(1, 3, 16, 16))
+    on = _native_equals_python(reinit(Flat(), 2), torch.randn(1, 3, 16, 16))
     assert len(set(on.plan.native.names)) < len(on.plan.steps)  # the view made no call
 
 
@@ -260,7 +242,7 @@ class ManyInputs(nn.Module):
 
 
 def test_a_step_with_many_arguments() -> None:
-    m = _reinit(ManyInputs(), 4)
+    m = reinit(ManyInputs(), 4)
     x = torch.randn(1, 3, 10, 12)
     _native_equals_python(m, x)
 
@@ -285,7 +267,7 @@ class TwoEscapes(nn.Module):
 def test_a_group_with_several_outputs_runs_as_one_output_pieces() -> None:
     """Each piece of the group with one value read outside it is its own generated kernel
     (before: the whole group ran through the framework, and so the plan from Python)."""
-    m = _reinit(TwoEscapes(), 5)
+    m = reinit(TwoEscapes(), 5)
     x = torch.randn(1, 3, 17, 17)
     om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
     with torch.no_grad():
@@ -350,7 +332,7 @@ class Shuffle(nn.Module):
 
 
 def test_channel_shuffles_run_natively() -> None:
-    m = _reinit(Shuffle(16), 6)
+    m = reinit(Shuffle(16), 6)
     x = torch.randn(1, 3, 14, 18)
     _native_equals_python(m, x)
 
@@ -367,7 +349,7 @@ class TwoInputs(nn.Module):
 def test_inputs_sharing_memory_at_the_recording_refuse_it() -> None:
     """A first call with one tensor as both inputs cannot say which input an address
     follows later: refused, and a later call with two tensors is right."""
-    m = _reinit(TwoInputs(), 7)
+    m = reinit(TwoInputs(), 7)
     x = torch.randn(1, 3, 10, 10)
     om = middleware.optimize(m, example_inputs=(x, x), measure_hardware=False)
     with torch.no_grad():
@@ -394,7 +376,7 @@ class Concat(nn.Module):
 def test_convolutions_written_into_concat_slices(layout: str) -> None:
     """At batch 1 in NCHW a channel slice of a concat is dense (its batch stride moves
     nothing): the oneDNN convolution writes straight into it, with no plan failure."""
-    m = _reinit(Concat(), 8)
+    m = reinit(Concat(), 8)
     x = torch.randn(1, 3, 9, 11)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -426,7 +408,7 @@ def test_a_skipped_computation_fails_the_check() -> None:
     convolution's output, which no later step overwrites)."""
     from middleware.runtime.planned_steps import NATIVE_NOTHING
 
-    m = _reinit(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)), 9)
+    m = reinit(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)), 9)
     x = torch.randn(1, 3, 12, 12)
     om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
     with torch.no_grad():
