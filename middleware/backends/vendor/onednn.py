@@ -157,7 +157,7 @@ _API = (
     "dnnl_primitive_attr_create dnnl_primitive_attr_destroy dnnl_primitive_attr_set_post_ops "
     "dnnl_primitive_attr_set_scratchpad_mode dnnl_post_ops_create dnnl_post_ops_destroy "
     "dnnl_post_ops_append_eltwise dnnl_post_ops_append_binary dnnl_post_ops_append_sum "
-    "dnnl_post_ops_append_dw dnnl_memory_desc_query "
+    "dnnl_post_ops_append_dw "
     "dnnl_convolution_forward_primitive_desc_create dnnl_primitive_desc_query_md "
     "dnnl_primitive_desc_query "
     "dnnl_primitive_desc_destroy dnnl_primitive_create dnnl_primitive_destroy "
@@ -244,9 +244,6 @@ class _Library:
         self.dw_bytes = lib.mw_conv_dw_bytes
         self.dw_bytes.restype = ctypes.c_long
         self.dw_bytes.argtypes = [ctypes.c_void_p]
-        self.dw_dst = lib.mw_conv_dw_dst
-        self.dw_dst.restype = None
-        self.dw_dst.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_long)]
         self.dw_prepare = lib.mw_conv_dw_prepare
         self.dw_prepare.restype = ctypes.c_int
         self.dw_prepare.argtypes = [ctypes.c_void_p] * 7
@@ -379,7 +376,8 @@ def direct_conv(
     x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
     if x_t.rank != 4 or out_t.rank != 4 or x_t.dtype != "float32":
         return None
-    if post is None or (post.attr != "none" and post.attr not in ELTWISE):
+    eltwise = _eltwise(post)
+    if eltwise is None:
         return None
     residual = bool(node.attrs.get("residual", False))
     (ph, pw), (sh, sw), (dh, dw), groups = geometry_attrs
@@ -402,17 +400,13 @@ def direct_conv(
         n, c, h, w, k, oh, ow, kh, kw, sh, sw, ph, pw, pb, pr, dh - 1, dw - 1, groups,
         src_nhwc, dst_nhwc, bias is not None,
     )]  # fmt: skip
-    if post.attr == "none":
-        elt, alpha, beta = "", 0.0, 0.0
-    else:
-        elt, alpha, beta = ELTWISE[post.attr](tuple(post.scalars), post.algorithm)
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     fmt = torch.channels_last if dst_nhwc else torch.contiguous_format
     shape = tuple(out_t.shape)
     x_strides = _strides(x_t.shape, src_nhwc)
     out_strides = _strides(out_t.shape, dst_nhwc)
-    prims = _Primitives(lib, geometry, (elt, alpha, beta), weight, bias)
+    prims = _Primitives(lib, geometry, eltwise, weight, bias)
     # the dense source's primitives now, which also packs the weight (the plain one is then
     # let go): a problem oneDNN has no fast kernel for is refused here, at plan time
     for kind in [1, 2] if residual else [0]:
@@ -447,11 +441,7 @@ def direct_conv(
         return [copy, call]
 
     def dense(t: torch.Tensor) -> bool:
-        """``t`` lies in memory as the dense output does (a size-1 dimension's stride,
-        such as a concat slice's batch stride at batch 1, moves nothing)."""
-        if tuple(t.shape) != shape:
-            return False
-        return all(a == b for a, b, n in zip(t.stride(), out_strides, shape, strict=True) if n != 1)
+        return _laid_out(t, shape, out_strides)
 
     def dense_out(y: torch.Tensor) -> None:
         if not dense(y):
@@ -672,6 +662,24 @@ def scratch(nbytes: int) -> int:
     return _threads.ptr
 
 
+def _eltwise(post: Any) -> tuple[str, float, float] | None:
+    """The shim's (eltwise name, alpha, beta) of a ``calls.OneDnnPostOp`` ("" for none),
+    or None where oneDNN has no such eltwise post-op."""
+    if post is None or (post.attr != "none" and post.attr not in ELTWISE):
+        return None
+    if post.attr == "none":
+        return "", 0.0, 0.0
+    return ELTWISE[post.attr](tuple(post.scalars), post.algorithm)
+
+
+def _laid_out(t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """``t`` lies in memory as a dense tensor of ``shape`` and ``strides`` does (a size-1
+    dimension's stride, such as a concat slice's batch stride at batch 1, moves nothing)."""
+    return tuple(t.shape) == shape and all(
+        a == b for a, b, n in zip(t.stride(), strides, shape, strict=True) if n != 1
+    )
+
+
 def _strides(shape: tuple[int, ...], nhwc: bool) -> tuple[int, ...]:
     n, c, h, w = shape
     return (c * h * w, 1, w * c, c) if nhwc else (c * h * w, h * w, w, 1)
@@ -706,15 +714,9 @@ def fused_dw_conv(
     lib = _library(options.cache_dir)
     if isinstance(lib, str):
         return None
-    elts = []
-    for post in posts:
-        if post is None or (post.attr != "none" and post.attr not in ELTWISE):
-            return None
-        elts.append(
-            ("", 0.0, 0.0)
-            if post.attr == "none"
-            else ELTWISE[post.attr](tuple(post.scalars), post.algorithm)
-        )
+    elts = [_eltwise(post) for post in posts]
+    if None in elts:
+        return None
     n, ic, h, w = (int(v) for v in in_shape)
     shape = tuple(int(v) for v in out_shape)
     w1, b1, wdw, bdw = (t.contiguous() for t in params)
@@ -732,12 +734,11 @@ def fused_dw_conv(
         if not hd:
             return None
         impl = lib.impl(hd).decode()
-        dims = (ctypes.c_long * 4)()
-        lib.dw_dst(hd, dims)
         # "ref_fused_convolution:any:<1x1>:<dw>" runs the two fast kernels row block by
-        # row block; a plain "ref:" (or a reference part) is oneDNN's slow loops
+        # row block; a plain "ref:" (or a reference part) is oneDNN's slow loops (the
+        # output's size and layout mw_conv_dw_create checked)
         parts = impl.removeprefix("ref_fused_convolution:any:")
-        if "ref" in parts or tuple(dims) != shape:
+        if "ref" in parts:
             lib.destroy(hd)
             return None
         packed = torch.empty(max(1, lib.bytes(hd, 0)), dtype=torch.uint8)
@@ -776,20 +777,15 @@ def fused_dw_conv(
     run = lib.run
     run_address = native_address(run)
 
-    def dense(t: torch.Tensor, want: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-        return tuple(t.shape) == want and all(
-            a == b for a, b, m in zip(t.stride(), strides, want, strict=True) if m != 1
-        )
-
     def conv_dw_out(x, *rest):
         """Destination form: ``rest`` ends with the dense channels_last output."""
         y = rest[-1]
-        if not dense(y, shape, out_strides):
+        if not _laid_out(y, shape, out_strides):
             raise ValueError(
                 f"{node_name}: the fused oneDNN convolution writes a dense {shape} "
                 f"channels_last output, got {tuple(y.shape)} strided {y.stride()}"
             )
-        if not dense(x, tuple(in_shape), in_strides):
+        if not _laid_out(x, tuple(in_shape), in_strides):
             x = x.contiguous(memory_format=torch.channels_last)
         hd = handle()
         if hd is None:  # refused at this thread count (built at the plan's)
@@ -804,8 +800,8 @@ def fused_dw_conv(
         hd = handle()
         if (
             hd is None
-            or not dense(y, shape, out_strides)
-            or not dense(x, tuple(in_shape), in_strides)
+            or not _laid_out(y, shape, out_strides)
+            or not _laid_out(x, tuple(in_shape), in_strides)
         ):
             return None
         return NativeCall(run_address, (hd, x, y, 0, SCRATCH), True, state["scratch"])

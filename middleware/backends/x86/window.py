@@ -607,11 +607,8 @@ class SeparableWriter:
                             )
             if v.stride2:
                 raise Unsupported("a stride-2 load in the row pass")
-            if whole and self.fast and self.p.op != "sum":
-                # the NaN test of a whole chunk: the taps ``sampled`` added up (NaN or
-                # inf in any lane: a non-finite sum, tested once after the plane)
-                self.reduce(names, out, result, check=[])
-                out += [f"nbv_ = _mm512_add_ps(nbv_, {names[i]});" for i in sampled]
+            if whole:  # the NaN test of a whole chunk: the taps ``sampled`` summed
+                self.reduce(names, out, result, check=[names[i] for i in sampled])
             else:  # (masked-off lanes hold the identity)
                 self.reduce(names, out, result, check=names, by_sum=False)
             return out
