@@ -3,26 +3,29 @@ against ``F.conv2d`` plus the epilogue.
 
 Random geometries (hypothesis): odd spatial sizes, strides, padding, dilation, groups
 (depthwise, grouped, dense), channel counts on and off the nests' blocks (16 lanes, 32
-output channels, 4 pixels), bias, residual and activations, both layouts, batch 1 and 5;
-and NaN/infinity in the input, which must spread exactly as in PyTorch's convolution.
+output channels, 6 pixels; 16 channels and 8 pixels below 17 channels), bias, residual
+and activations, both layouts, batch 1 and 5; a stem's NCHW input read in place, with
+and without non-temporal stores; and NaN/infinity in the input, which must spread exactly as in PyTorch's convolution.
 The direct sums are the convolution's own, so the tolerance is float rounding (2e-5 of the
 output's scale).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn as nn
 from fusion_helpers import conv_graph, hardware
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import middleware
 from middleware.backends.vendor import algorithms as alg
 from middleware.backends.vendor import direct
+from middleware.graph import TensorType
 from middleware.ops import get_op
 from middleware.options import Options
 
@@ -168,3 +171,90 @@ def test_direct_through_optimize(layout, batch, tree_close, tmp_path):
         tree_close(opt(x), model(x), rtol=1e-4, atol=1e-4)
     rows = [r for r in opt.report().rows if r.op == "conv2d"]
     assert [r.algorithm for r in rows] == ["direct"] * 3, rows
+
+
+def _stem_graph(xs, ws, kw, epilogue):
+    """A conv2d on an NCHW input whose output is channels_last (as the layout pass leaves
+    a network's stem)."""
+    g, node = conv_graph(xs, ws, "nchw", **kw, **epilogue)
+    y = g.values[node.outputs[0]]
+    g.values[node.outputs[0]] = TensorType(y.shape, y.dtype, "nhwc")
+    if "r" in g.values:
+        r = g.values["r"]
+        g.values["r"] = TensorType(r.shape, r.dtype, "nhwc")
+    return g, node
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    c=st.integers(1, direct.NCHW_MAX_CG),
+    k=st.sampled_from([1, 7, 16, 17, 24, 32, 33, 64]),
+    kernel=st.sampled_from([(3, 3), (7, 7), (1, 1), (5, 3)]),
+    stride=st.integers(1, 4),
+    pad=st.integers(0, 3),
+    dilation=st.integers(1, 2),
+    hw=st.tuples(st.integers(13, 30), st.integers(13, 40)),
+    n=st.sampled_from([1, 3]),
+    act=st.sampled_from(range(len(ACTIVATIONS))),
+    residual=st.booleans(),
+    stream=st.booleans(),
+)
+def test_stem_reads_nchw_in_place_and_writes_channels_last(
+    c, k, kernel, stride, pad, dilation, hw, n, act, residual, stream
+):
+    """A dense layer of few input channels reads its NCHW input in place (the user's image;
+    no conversion) and writes its channels_last output, through its plain call, its
+    destination form and, with ``stream``, non-temporal stores: equal to F.conv2d."""
+    assume(c > 1 or k > 1)  # one channel to one: the depthwise nest
+    kh, kw_ = kernel
+    pad = min(pad, kh // 2 * dilation)
+    kw = dict(stride=stride, padding=pad, dilation=dilation)
+    xs, ws = (n, c, *hw), (k, c, kh, kw_)
+    g, node = _stem_graph(xs, ws, kw, dict(ACTIVATIONS[act], residual=residual))
+    assert direct.reads_nchw(g, node)
+    hw_ = hardware()
+    if stream:  # every output large enough to stream
+        hw_ = dataclasses.replace(hw_, l2_bytes=64, cores=1)
+    _, src = direct.render(g, node, 2, direct.stream_min_bytes(hw_))
+    assert ("_mm512_stream_ps" in src) == stream and "NCHW, read in place" in src
+    fn = alg.DIRECT.build(g, node, CPU, Options(), hw_)
+    torch.manual_seed(c * 100 + k)
+    x = torch.randn(xs)
+    args = [x, torch.from_numpy(g.params["w"]), torch.from_numpy(g.params["b"])]
+    if residual:
+        args.append(torch.randn(g.values["r"].shape).contiguous(memory_format=CL))
+    ref = get_op("conv2d").bind(node)(*args)
+    y = fn(*args)
+    assert y.is_contiguous(memory_format=CL)
+    _close(y, ref)
+    out = torch.full_like(y, math.nan)
+    fn.out(*args, out)
+    _close(out, ref)
+    assert fn.out.native(*args, out) is not None  # the native runner may call it
+    # the same call on a channels_last input converts it first: the same values
+    _close(fn(x.contiguous(memory_format=CL), *args[1:]), ref)
+
+
+def test_the_default_runs_a_stem_of_few_channels_direct(tmp_path):
+    """The measured stem rule: a dense convolution of at most 32 output channels on an
+    NCHW image too large for the L2 caches (read in place, not converted) runs the direct
+    kernel, a natively run one at batch 1 too; one of 64 output channels stays oneDNN's,
+    and so does a stem whose input the layout pass converts first."""
+    small_l2 = {"l2_bytes": 64, "cores": 1}
+    for k, hw_, want in ((16, small_l2, "direct"), (64, small_l2, "vendor"), (16, None, "vendor")):
+        torch.manual_seed(k)
+        model = nn.Sequential(
+            nn.Conv2d(3, k, 3, stride=2, padding=1), nn.Hardswish(), nn.Conv2d(k, 8, 1)
+        ).eval()
+        x = torch.randn(1, 3, 33, 31)
+        opt = middleware.optimize(model, example_inputs=(x,), cache_dir=tmp_path, hardware=hw_)
+        with torch.no_grad():
+            y, ref = opt(x), model(x)
+            y2 = opt(x)  # the native runner's call, after the recording
+        _close(y, ref)
+        _close(y2, ref)
+        rows = [r for r in opt.report().rows if r.op == "conv2d"]
+        assert rows[0].algorithm == want, rows
+        if want == "direct":
+            assert "stem" in rows[0].reason
+            assert opt.plan.native is not None, opt.plan.notes

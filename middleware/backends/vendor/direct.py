@@ -10,7 +10,9 @@ Two loop nests, chosen by the layer (``x86/templates/direct_conv.c.j2``):
   accumulators, one broadcast input value against a vector of weights packed
   ``[g][kh][kw][cg][kg]``.
 
-Both read the input in place (NHWC; an NCHW input is converted first), skip the taps that
+Both read the input in place (NHWC; an NCHW input is converted first, except where a
+dense layer has at most ``NCHW_MAX_CG`` input channels: the network's stem reads the
+user's NCHW image in place, its few planes by stride), skip the taps that
 fall in the padding instead of reading a padded copy, and write the output once, with the
 epilogue applied in registers: no workspace. Rows of the output run in parallel only where
 a row's work pays for OpenMP's fork (small layers at batch 1 run on one thread). The sums
@@ -31,6 +33,8 @@ import torch
 from ...graph import Graph, Node
 from ...hardware import Hardware
 from ...options import Options
+from ..interface import NativeCall, native_address
+from ..x86.backend import stream_min_bytes
 from ..x86.render import environment
 from .calls import _conv_geometry, activation_attrs, holds_constants
 from .generated import activation_c, activation_why_not, load_kernel
@@ -39,7 +43,13 @@ Kernel = Callable[..., Any]
 
 VB = 16  # the depthwise nest's channel block (one AVX-512 register)
 KB = 32  # the blocked nest's output channels per block (two registers)
-PB = 4  # the blocked nest's output pixels per block (8 accumulator registers)
+PB = 6  # the blocked nest's output pixels per block (12 accumulator registers)
+# A layer of at most 16 output channels per group: one register of them per pixel, and
+# PB_ONE pixels per block (as many independent accumulators as KB x PB's).
+PB_ONE = 8
+# The most input channels per group the blocked nest reads from an NCHW input in place
+# (a broadcast per channel plane; more planes than this convert to NHWC first).
+NCHW_MAX_CG = 4
 PD = 8  # the depthwise nest's output pixels per block (independent accumulator registers)
 # Multiply-adds below which a call runs on one thread (OpenMP's fork and join cost about
 # as much as 32K multiply-adds on the measured host).
@@ -82,7 +92,24 @@ def _geometry(graph: Graph, node: Node) -> dict[str, int]:
     lo = min(ow, -(-pw // sw))
     hi = (w - 1 + pw - (kw - 1) * dw) // sw + 1  # Python's floor division
     geo.update(OW_LO=lo, OW_HI=max(lo, min(ow, hi)))
+    # the input's element strides within an image (channel, row, column)
+    nchw = reads_nchw(graph, node)
+    geo.update(XSC=h * w if nchw else 1, XSH=w if nchw else w * c, XSW=1 if nchw else c)
     return geo
+
+
+def reads_nchw(graph: Graph, node: Node) -> bool:
+    """The blocked nest reads ``node``'s input in NCHW in place (a dense layer with few
+    input channels whose input is NCHW: the stem, on the user's image)."""
+    x_t, w_t = graph.values[node.inputs[0]], graph.values[node.inputs[1]]
+    groups = int(node.attrs.get("groups", 1))
+    depthwise = groups == x_t.shape[1] and w_t.shape[0] == groups
+    return x_t.layout != "nhwc" and not depthwise and w_t.shape[1] <= NCHW_MAX_CG
+
+
+def _blocking(geo: dict[str, int]) -> tuple[int, int]:
+    """(output channels, output pixels) per block of the blocked nest."""
+    return (VB, PB_ONE) if geo["KG"] <= VB else (KB, PB)
 
 
 def _depthwise(geo: dict[str, int]) -> bool:
@@ -95,7 +122,7 @@ def extra_bytes(graph: Graph, node: Node) -> int:
     if _depthwise(geo):
         return 4 * _pad(geo["K"], VB) * (geo["KH"] * geo["KW"] + 1)
     taps = geo["G"] * geo["KH"] * geo["KW"] * geo["CG"]
-    return 4 * taps * _pad(geo["KG"], KB) + 4 * geo["K"]
+    return 4 * taps * _pad(geo["KG"], _blocking(geo)[0]) + 4 * geo["K"]
 
 
 def pack_weight(weight: np.ndarray, geo: dict[str, int]) -> np.ndarray:
@@ -107,14 +134,17 @@ def pack_weight(weight: np.ndarray, geo: dict[str, int]) -> np.ndarray:
         out[:, :, :k] = weight[:, 0].transpose(1, 2, 0)
         return out
     g, cg, kg = geo["G"], geo["CG"], geo["KG"]
-    out = np.zeros((g, kh, kw, cg, _pad(kg, KB)), np.float32)
+    out = np.zeros((g, kh, kw, cg, _pad(kg, _blocking(geo)[0])), np.float32)
     # [G*KG, CG, KH, KW] -> [G, KG, CG, KH, KW] -> [G, KH, KW, CG, KG]
     out[..., :kg] = weight.reshape(g, kg, cg, kh, kw).transpose(0, 3, 4, 2, 1)
     return out
 
 
-def render(graph: Graph, node: Node, threads: int) -> tuple[str, str]:
-    """(kernel name, C source) of ``node``'s direct convolution."""
+def render(
+    graph: Graph, node: Node, threads: int, stream_min: int | None = None
+) -> tuple[str, str]:
+    """(kernel name, C source) of ``node``'s direct convolution. ``stream_min``: the
+    output size from which the blocked nest stores non-temporally (None: never)."""
     geo = _geometry(graph, node)
     residual = bool(node.attrs.get("residual", False))
     bias = len(node.inputs) - int(residual) == 3
@@ -124,14 +154,19 @@ def render(graph: Graph, node: Node, threads: int) -> tuple[str, str]:
     text = f"{name}({text})" if name else text
     depthwise = _depthwise(geo)
     row_work = geo["OW"] * geo["K"] * geo["KH"] * geo["KW"] * geo["CG"]
+    kb, pb = _blocking(geo)
     fields = dict(
         geo,
         depthwise=depthwise,
+        x_nchw=geo["XSC"] != 1,
+        stream=stream_min is not None
+        and not depthwise
+        and graph.values[node.outputs[0]].nbytes >= stream_min,
         KP=_pad(geo["K"], VB),
         PD=PD,
-        KGP=_pad(geo["KG"], KB),
-        KB=KB,
-        PB=PB,
+        KGP=_pad(geo["KG"], kb),
+        KB=kb,
+        PB=pb,
         bias=bias,
         residual=residual,
         activation=act,
@@ -152,7 +187,7 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
     does not apply or failed to compile (warned; ``options.strict`` raises)."""
     if why_not(graph, node, torch.device("cpu")) is not None:
         return None
-    kname, src = render(graph, node, hardware.cores)
+    kname, src = render(graph, node, hardware.cores, stream_min_bytes(hardware))
     fn = load_kernel(
         node,
         kname,
@@ -181,17 +216,52 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
     cl = torch.channels_last
     shape = (geo["K"], geo["OH"], geo["OW"])
     nchw = out_t.layout != "nhwc"
+    # the layout the kernel reads its input in (the stem's NCHW image in place)
+    x_fmt = torch.contiguous_format if geo["XSC"] != 1 else cl
+    batch = graph.values[node.inputs[0]].shape[0]
 
-    def dense(t: torch.Tensor) -> torch.Tensor:
-        return t if t.is_contiguous(memory_format=cl) else t.contiguous(memory_format=cl)
+    def dense(t: torch.Tensor, fmt: torch.memory_format = cl) -> torch.Tensor:
+        return t if t.is_contiguous(memory_format=fmt) else t.contiguous(memory_format=fmt)
 
-    def conv_direct(x, _w, *rest):
-        x = dense(x)
-        y = torch.empty((x.shape[0], *shape), dtype=torch.float32, memory_format=cl)
-        r = dense(rest[-1]) if residual else None
+    def laid_out(t: torch.Tensor, fmt: torch.memory_format, dims: tuple[int, ...]) -> bool:
+        return tuple(t.shape) == dims and t.is_contiguous(memory_format=fmt)
+
+    def call(x: torch.Tensor, r: torch.Tensor | None, y: torch.Tensor) -> None:
         fn(x.data_ptr(), packed.data_ptr(), bias_ptr, r.data_ptr() if r is not None else None,
            y.data_ptr(), x.shape[0])  # fmt: skip
+
+    def conv_direct(x, _w, *rest):
+        x = dense(x, x_fmt)
+        y = torch.empty((x.shape[0], *shape), dtype=torch.float32, memory_format=cl)
+        call(x, dense(rest[-1]) if residual else None, y)
         return y.contiguous() if nchw else y
+
+    if not nchw:
+
+        def conv_direct_out(x, _w, *rest):
+            """Destination form: ``rest`` ends with the dense channels_last output."""
+            y = rest[-1]
+            if not laid_out(y, cl, (x.shape[0], *shape)):
+                raise ValueError(f"{node.name}: the direct convolution writes a dense output")
+            call(dense(x, x_fmt), dense(rest[-2]) if residual else None, y)
+
+        def conv_direct_native(x, _w, *rest):
+            y = rest[-1]
+            r = rest[-2] if residual else None
+            dims = (batch, *shape)
+            if not (laid_out(x, x_fmt, (batch, *graph.values[node.inputs[0]].shape[1:]))
+                    and laid_out(y, cl, dims) and (r is None or laid_out(r, cl, dims))):  # fmt: skip
+                return None
+            return NativeCall(
+                address,
+                (x, packed.data_ptr(), bias_ptr or 0, 0 if r is None else r, y, batch),
+                keep=(packed, bias),
+            )
+
+        address = native_address(fn)
+        conv_direct_out.native = conv_direct_native  # type: ignore[attr-defined]
+        conv_direct_out.dense_only = True  # type: ignore[attr-defined]
+        conv_direct.out = conv_direct_out  # type: ignore[attr-defined]
 
     conv_direct.algorithm = "direct" + (" depthwise" if _depthwise(geo) else " blocked")  # type: ignore[attr-defined]
     conv_direct.keep = (packed, bias)  # type: ignore[attr-defined]
