@@ -78,16 +78,19 @@ register(
 
 
 def _conv2d_dw(node: Node) -> Kernel:
-    """A 1x1 convolution and the depthwise 3x3 convolution (padding 1, ``stride``) that
-    reads it, as one layer (the fuse_depthwise pass): ``y = act2(dw(act1(conv1x1(x, w1) +
-    b1), wdw) + bdw)``, each activation optional (``activation`` / ``dw_activation``)."""
+    """A convolution and the depthwise 3x3 convolution (padding 1, ``stride``) that reads
+    it, as one layer: ``y = act2(dw(act1(conv(x, w1) + b1), wdw) + bdw)``, each activation
+    optional (``activation`` / ``dw_activation``). The first is a 1x1 convolution (the
+    fuse_depthwise pass) or, with ``stride1`` and ``padding1``, a dense convolution of any
+    kernel size (the fuse_stem pass: a network's stem)."""
     stride = int(node.attrs["stride"])
+    stride1, padding1 = node.attrs.get("stride1", 1), node.attrs.get("padding1", 0)
     act1 = post_op_fn(node)
     name2 = node.attrs.get("dw_activation")
     act2 = activation_fn(name2, dict(node.attrs.get("dw_activation_attrs", ()))) if name2 else None
 
     def conv2d_dw(x, w1, b1, wdw, bdw):
-        y = torch.conv2d(x, w1, b1)
+        y = torch.conv2d(x, w1, b1, stride1, padding1)
         y = act1(y) if act1 is not None else y
         y = torch.conv2d(y, wdw, bdw, stride, 1, 1, wdw.shape[0])
         return act2(y) if act2 is not None else y
@@ -95,10 +98,17 @@ def _conv2d_dw(node: Node) -> Kernel:
     return conv2d_dw
 
 
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
 def conv2d_dw_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
     n, c, h, w = ins[0].shape
-    k = ins[1].shape[0]
-    return 2.0 * n * h * w * k * c + 2.0 * outs[0].numel * 9
+    k, _, kh, kw = ins[1].shape
+    s1, p1 = node.attrs.get("stride1", 1), node.attrs.get("padding1", 0)
+    (sh, sw), (ph, pw) = _pair(s1), _pair(p1)
+    mid = ((h + 2 * ph - kh) // sh + 1) * ((w + 2 * pw - kw) // sw + 1)
+    return 2.0 * n * mid * k * c * kh * kw + 2.0 * outs[0].numel * 9
 
 
 register(

@@ -24,6 +24,7 @@ EXPECTED = [
     "fuse_vendor_epilogue",
     "layout",
     "fuse_depthwise",
+    "fuse_stem",
     "classify",
     "group",
 ]
@@ -102,12 +103,13 @@ def test_disable_passes_and_debug_dir(tmp_path):
         "008_fuse_vendor_epilogue.txt",
         "009_layout.txt",
         "010_fuse_depthwise.txt",
-        "011_classify.txt",
-        "012_group.txt",
+        "011_fuse_stem.txt",
+        "012_classify.txt",
+        "013_group.txt",
     ]
     ops = [n.op for n in om.graph.nodes()]
     assert "batch_norm" in ops and "maxpool_relu" not in ops
-    assert "[io g" in (debug / "012_group.txt").read_text()
+    assert "[io g" in (debug / "013_group.txt").read_text()
     assert set(om.graph.meta["pass_times"]) == set(EXPECTED) - {"fold_batchnorm", "merge_pool_relu"}
 
 

@@ -23,7 +23,7 @@ from .classify import classify
 from .decompose_layer_norm import decompose_layer_norm
 from .decompose_softmax import decompose_softmax
 from .fold_batchnorm import fold_batchnorm
-from .fuse_depthwise import fuse_depthwise
+from .fuse_depthwise import fuse_depthwise, fuse_stem
 from .fuse_vendor_epilogue import fuse_vendor_epilogue
 from .group import group
 from .layout import assign_layout
@@ -69,6 +69,7 @@ def make_pipeline(hardware: Hardware, layout: str = "auto") -> list[tuple[str, P
         ("fuse_vendor_epilogue", functools.partial(fuse_vendor_epilogue, hardware=hardware)),
         ("layout", functools.partial(assign_layout, hardware=hardware, layout=layout)),
         ("fuse_depthwise", functools.partial(fuse_depthwise, hardware=hardware)),
+        ("fuse_stem", functools.partial(fuse_stem, hardware=hardware)),
         ("classify", functools.partial(classify, hardware=hardware)),
         ("group", functools.partial(group, hardware=hardware)),
     ]

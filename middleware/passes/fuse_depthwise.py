@@ -133,3 +133,85 @@ def fuse_depthwise(graph: Graph, hardware: Hardware) -> Graph:
         rw.drop(a.name)
         rw.replace(b.name, [(fused, [graph.values[b.outputs[0]]])])
     return rw.build()
+
+
+# The stem convolutions fuse_stem takes: few input channels (the image's) and at most this
+# many output channels (backends/vendor/direct.py runs them: its stem rule's bounds).
+STEM_MAX_IN_CHANNELS = 4
+STEM_MAX_OUT_CHANNELS = 32
+
+
+def _stem_conv(graph: Graph, node: Node) -> bool:
+    """A dense convolution of at most ``STEM_MAX_IN_CHANNELS`` input and
+    ``STEM_MAX_OUT_CHANNELS`` output channels on a float32 image (either layout), numeric
+    padding, no dilation or residual, parameter weight (and bias), channels_last output."""
+    if node.op != "conv2d" or node.attrs.get("residual") or isinstance(node.attrs["padding"], str):
+        return False
+    if len(node.inputs) not in (2, 3) or not all(v in graph.params for v in node.inputs[1:]):
+        return False
+    x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
+    w = graph.params[node.inputs[1]].shape
+    a = node.attrs
+    return (
+        x.rank == 4
+        and x.dtype == "float32"
+        and y.layout == "nhwc"
+        and node.attrs.get("output_layout") in (None, "nhwc")
+        and int(a["groups"]) == 1
+        and _pair(a["dilation"]) == (1, 1)
+        and len(w) == 4
+        and w[1] <= STEM_MAX_IN_CHANNELS
+        and w[0] <= STEM_MAX_OUT_CHANNELS
+    )
+
+
+def fuse_stem(graph: Graph, hardware: Hardware) -> Graph:
+    """Replace each stem convolution (:func:`_stem_conv`: MobileNet's 3 -> 16 or 32
+    channels, stride 2) whose output only a depthwise 3x3 conv2d reads (padding 1, stride
+    1 or 2, channels_last) with one ``conv2d_dw`` node, as :func:`fuse_depthwise` does for
+    a 1x1 layer, with the stem's geometry in ``stride1`` and ``padding1``. The direct
+    kernel (backends/vendor/direct.py) computes the stem a few rows at a time into a ring
+    in cache and the depthwise layer from there: the stem's output, the largest
+    activation of those networks (16 x 112 x 112 floats an image), is never written out.
+    CPU only; where the stem's output fits the cores' L2 caches it is left alone (it stays
+    in cache between the two layers anyway).
+
+    Expects: layouts assigned, post-ops fused. Guarantees: the same outputs (the
+    catalogue's reference of ``conv2d_dw`` runs the two convolutions in turn); the fused
+    node keeps the stem's name, writes the depthwise layer's output value and stands at
+    its position."""
+    if hardware.kind != "cpu":
+        return graph
+    readers = Readers(graph)
+    rw = Rewrite(graph)
+    for a in graph.nodes():
+        if not _stem_conv(graph, a):
+            continue
+        b = readers.sole(a.outputs[0])
+        k = graph.params[a.inputs[1]].shape[0]
+        stride = None if b is None else _depthwise3x3(graph, b, k)
+        if b is None or stride is None or rw.is_edited(b.name) or rw.is_edited(a.name):
+            continue
+        if graph.values[a.outputs[0]].nbytes <= hardware.l2_bytes * max(1, hardware.cores):
+            continue
+        zeros = np.zeros(k, dtype=graph.params[a.inputs[1]].dtype)
+        attrs: dict[str, Any] = {
+            "stride": stride,
+            "stride1": _pair(a.attrs["stride"]),
+            "padding1": _pair(a.attrs["padding"]),
+        }
+        for key, layer in (("activation", a), ("dw_activation", b)):
+            if layer.attrs.get("activation"):
+                attrs[key] = layer.attrs["activation"]
+                attrs[f"{key}_attrs"] = layer.attrs.get("activation_attrs", ())
+        fused = Node(
+            a.name,
+            "conv2d_dw",
+            (a.inputs[0], a.inputs[1], _bias(rw, a, zeros), b.inputs[1], _bias(rw, b, zeros)),
+            b.outputs,
+            attrs,
+            source="+".join(dict.fromkeys(s for s in (a.source, b.source) if s)),
+        )
+        rw.drop(a.name)
+        rw.replace(b.name, [(fused, [graph.values[b.outputs[0]]])])
+    return rw.build()

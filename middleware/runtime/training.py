@@ -71,6 +71,7 @@ TRAINING_DISABLED_PASSES = (
     "fold_batchnorm",
     "fuse_vendor_epilogue",
     "fuse_depthwise",
+    "fuse_stem",
     *DECOMPOSITIONS,
 )
 

@@ -39,12 +39,15 @@ class CpuBackend(X86Backend):
         (no primitives: the reference's two ATen convolutions would replace two prepacked
         calls) or where the user named conv2d algorithms (one name for every layer, a list
         or a callable: each counts on the conv2d layers, two of which the pass would
-        merge). "auto" and "autotune" keep it: the middleware decides there."""
+        merge; ``fuse_stem`` then too). "auto" and "autotune" keep them: the middleware
+        decides there. ``fuse_stem``'s layer is the generated direct kernel's: no oneDNN."""
         chosen = any(
             op == "conv2d" and sel not in (DEFAULT, AUTO, AUTOTUNE)
             for op, sel in options.algorithms
         )
-        if chosen or not options.onednn_primitives or onednn.unavailable(options):
+        if chosen:
+            return ("fuse_depthwise", "fuse_stem")
+        if not options.onednn_primitives or onednn.unavailable(options):
             return ("fuse_depthwise",)
         return ()
 

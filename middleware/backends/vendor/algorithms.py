@@ -253,11 +253,51 @@ DIRECT = Algorithm(
     description="generated direct convolution (depthwise: SIMD over channels; else blocked "
     "pixels x output channels), epilogue fused, no workspace",
 )
+
+
+def _conv_dw_vendor_applies(
+    graph: Graph, node: Node, device: torch.device, options: Options
+) -> str | None:
+    if "stride1" in node.attrs:
+        return "a stem and its depthwise layer (the fuse_stem pass): oneDNN fuses a 1x1 only"
+    return None
+
+
+def _stem_dw_applies(
+    graph: Graph, node: Node, device: torch.device, options: Options
+) -> str | None:
+    return direct.stem_dw_why_not(graph, node, device)
+
+
+def _stem_dw_build(
+    graph: Graph, node: Node, device: torch.device, options: Options, hardware: Hardware
+) -> Kernel | None:
+    return direct.stem_dw_kernel(graph, node, options, hardware)
+
+
+def _stem_dw_extra(graph: Graph, node: Node) -> int:
+    """The packed stem weight, the depthwise weight and both biases, padded to 16 lanes."""
+    k, c, kh, kw = graph.values[node.inputs[1]].shape
+    kp = -(-k // direct.VB) * direct.VB
+    kgp = kp if k <= direct.VB else -(-k // direct.KB) * direct.KB
+    return 4 * (kh * kw * c * kgp + 9 * kp + 2 * kp)
+
+
 CONV_DW_VENDOR = dataclasses.replace(
     VENDOR,
     op="conv2d_dw",
+    applies=_conv_dw_vendor_applies,
     description="oneDNN: the 1x1 convolution with the depthwise 3x3 one fused as its "
     "post-op (one primitive; the expanded tensor stays in cache)",
+)
+STEM_DW_DIRECT = Algorithm(
+    "direct",
+    "conv2d_dw",
+    _stem_dw_applies,
+    _stem_dw_build,
+    _stem_dw_extra,
+    description="generated: the stem's rows computed a few at a time into a ring in cache, "
+    "the depthwise layer read from there (its input never written out)",
 )
 LINEAR_VENDOR = dataclasses.replace(
     VENDOR, op="linear", description="oneDNN/MKL (packed where measured faster) or F.linear"
@@ -329,7 +369,7 @@ FLASH = Algorithm(
 # Per op, its algorithms by name; the first is the default's fallback.
 ALGORITHMS: dict[str, dict[str, Algorithm]] = {
     "conv2d": {a.name: a for a in (VENDOR, WINOGRAD_F4X4, IM2COL_GEMM, WINOGRAD_F2X2, DIRECT)},
-    "conv2d_dw": {CONV_DW_VENDOR.name: CONV_DW_VENDOR},
+    "conv2d_dw": {a.name: a for a in (CONV_DW_VENDOR, STEM_DW_DIRECT)},
     "linear": {a.name: a for a in (LINEAR_VENDOR, GEMV)},
     SDPA: {a.name: a for a in (SDPA_VENDOR, FLASH)},
 }
@@ -652,11 +692,18 @@ DIRECT_STEM_REASON = (
 )
 
 
+STEM_DW_REASON = (
+    "direct (a stem and its depthwise layer, fused by the fuse_stem pass): the stem's "
+    "output is computed a few rows at a time in cache and never written out"
+)
+
+
 def _stem(graph: Graph, node: Node) -> bool:
     return (
         node.op == "conv2d"
         and int(node.attrs.get("groups", 1)) == 1
         and direct.reads_nchw(graph, node)
+        and graph.values[node.outputs[0]].layout == "nhwc"  # (measured so; else a copy)
         and graph.values[node.outputs[0]].shape[1] <= DIRECT_STEM_MAX_K
     )
 
@@ -703,6 +750,14 @@ def default_choice(
         fn = DIRECT.build(graph, node, device, options, hardware)
         if fn is not None:
             return Choice(fn, DIRECT.name, DIRECT_DEPTHWISE_REASON)
+    if (
+        device.type == "cpu"
+        and node.op == "conv2d_dw"
+        and _usable(STEM_DW_DIRECT, graph, node, device, options) is None
+    ):
+        fn = STEM_DW_DIRECT.build(graph, node, device, options, hardware)
+        if fn is not None:
+            return Choice(fn, STEM_DW_DIRECT.name, STEM_DW_REASON)
     if (
         device.type == "cpu"
         and _stem(graph, node)

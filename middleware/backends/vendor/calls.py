@@ -242,6 +242,8 @@ def _cpu_conv_dw(graph: Graph, node: Node, options: Options | None) -> Kernel | 
     primitives (the catalogue reference then runs the two convolutions)."""
     if options is None or not options.onednn_primitives or onednn.unavailable(options):
         return None
+    if "stride1" in node.attrs or graph.values[node.inputs[1]].shape[2:] != (1, 1):
+        return None  # a stem and its depthwise layer (fuse_stem): the direct kernel's
     x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
     params = [_param(graph, v) for v in node.inputs[1:]]
     if x_t.dtype != "float32" or any(p is None for p in params):

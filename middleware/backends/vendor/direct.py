@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...graph import Graph, Node
+from ...graph import Graph, Node, TensorType
 from ...hardware import Hardware
 from ...options import Options
-from ..interface import NativeCall, native_address
+from ..interface import NativeCall, holds_inputs, native_address
 from ..x86.backend import stream_min_bytes
 from ..x86.render import environment
 from .calls import _conv_geometry, activation_attrs, holds_constants
@@ -159,6 +159,8 @@ def render(
         geo,
         depthwise=depthwise,
         x_nchw=geo["XSC"] != 1,
+        fused_dw=False,
+        stream_dw=False,
         stream=stream_min is not None
         and not depthwise
         and graph.values[node.outputs[0]].nbytes >= stream_min,
@@ -266,3 +268,176 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
     conv_direct.algorithm = "direct" + (" depthwise" if _depthwise(geo) else " blocked")  # type: ignore[attr-defined]
     conv_direct.keep = (packed, bias)  # type: ignore[attr-defined]
     return holds_constants(conv_direct, node)
+
+
+# ------------------------------------------------ a stem and its depthwise layer, fused
+def stem_dw_why_not(graph: Graph, node: Node, device: torch.device) -> str | None:
+    """None where the direct kernel can run ``node``, a ``conv2d_dw`` made of a stem
+    convolution and the depthwise 3x3 layer that reads it (the fuse_stem pass), else why
+    not."""
+    if device.type != "cpu":
+        return f"x86 only, not {device.type}"
+    if node.op != "conv2d_dw":
+        return "not a fused convolution pair"
+    if "stride1" not in node.attrs:
+        return "a 1x1 and a depthwise layer (oneDNN's fused primitive runs them)"
+    x_t = graph.values[node.inputs[0]]
+    if x_t.rank != 4 or x_t.dtype != "float32":
+        return f"not a float32 4-d input ({x_t.dtype}, rank {x_t.rank})"
+    if not all(graph.is_param(v) for v in node.inputs[1:]):
+        return "a weight or bias is computed"
+    return activation_why_not(node) or activation_why_not(node, "dw_activation")
+
+
+class _Values:
+    """A graph's value table with one value more (the stem's output, which the fused
+    layer never writes out)."""
+
+    def __init__(self, graph: Graph, extra: dict[str, Any]) -> None:
+        self.values = {**graph.values, **extra}
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def _stem_of(graph: Graph, node: Node) -> tuple[Any, Node]:
+    """The first convolution of a fused stem ``conv2d_dw`` as a ``conv2d`` node (its
+    activation included) over a value table that holds its output."""
+    x, w1, b1 = node.inputs[:3]
+    a = node.attrs
+    x_t, w_t = graph.values[x], graph.values[w1]
+    (sh, sw), (ph, pw) = _pair(a["stride1"]), _pair(a["padding1"])
+    n, _, h, w = x_t.shape
+    k, _, kh, kw = w_t.shape
+    mid = TensorType(
+        (n, k, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1), "float32", "nhwc"
+    )
+    attrs = dict(stride=(sh, sw), padding=(ph, pw), dilation=1, groups=1)
+    if a.get("activation"):
+        attrs.update(activation=a["activation"], activation_attrs=a.get("activation_attrs", ()))
+    conv = Node(node.name, "conv2d", (x, w1, b1), (f"{node.name}.stem",), attrs)
+    return _Values(graph, {conv.outputs[0]: mid}), conv
+
+
+def render_stem_dw(
+    graph: Graph, node: Node, threads: int, stream_min: int | None = None
+) -> tuple[str, str]:
+    """(kernel name, C source) of a fused stem ``conv2d_dw`` (:func:`stem_dw_why_not`)."""
+    values, conv = _stem_of(graph, node)
+    geo = _geometry(values, conv)  # type: ignore[arg-type]
+    out_t = graph.values[node.outputs[0]]
+    kb, pb = _blocking(geo)
+    ds = int(node.attrs["stride"])
+    name, _ = activation_attrs(node)
+    name2, _ = activation_attrs(node, "dw_activation")
+    text = f"{name}(conv(x) + b1)" if name else "conv(x) + b1"
+    dw_text = f"dw({text}) + bdw"
+    fields = dict(
+        geo,
+        depthwise=False,
+        fused_dw=True,
+        x_nchw=geo["XSC"] != 1,
+        KP=_pad(geo["K"], VB),
+        KGP=_pad(geo["KG"], kb),
+        KB=kb,
+        PB=pb,
+        PD=PD,
+        bias=True,
+        residual=False,
+        activation=activation_c(node),
+        dw_activation=activation_c(node, "dw_activation"),
+        epilogue_text=text,
+        dw_epilogue_text=f"{name2}({dw_text})" if name2 else dw_text,
+        DS=ds,
+        OH2=out_t.shape[2],
+        OW2=out_t.shape[3],
+        # depthwise output columns whose taps are all inside the stem's row (padding 1)
+        OW2_LO=min(out_t.shape[3], 1),
+        OW2_HI=max(min(out_t.shape[3], 1), min(out_t.shape[3], (geo["OW"] - 2) // ds + 1)),
+        stream=False,  # the stem's rows go to the ring, which is read right away
+        stream_dw=stream_min is not None and out_t.nbytes >= stream_min,
+        threads=max(1, threads),
+        # a depthwise output row's work: its share of the stem's rows and its own taps
+        row_work=int(node.attrs["stride"])
+        * geo["OW"]
+        * geo["K"]
+        * geo["KH"]
+        * geo["KW"]
+        * geo["CG"]
+        + out_t.shape[3] * geo["K"] * 9,
+        parallel_work=PARALLEL_WORK,
+    )
+    digest = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:10]
+    kname = f"conv_stem_dw_{digest}"
+    src = environment().get_template("direct_conv.c.j2").render(name=kname, **fields)
+    return kname, src
+
+
+def stem_dw_kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Kernel | None:
+    """The call for a fused stem ``conv2d_dw`` (``fn(x, w1, b1, wdw, bdw)``, every weight
+    held, returning the channels_last output), or None where it does not apply or failed
+    to compile (warned; ``options.strict`` raises)."""
+    if stem_dw_why_not(graph, node, torch.device("cpu")) is not None:
+        return None
+    kname, src = render_stem_dw(graph, node, hardware.cores, stream_min_bytes(hardware))
+    fn = load_kernel(
+        node, kname, src, [ctypes.c_void_p] * 6 + [ctypes.c_int], options, hardware,
+        "the reference's two convolutions",
+    )  # fmt: skip
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+    values, conv = _stem_of(graph, node)
+    geo = _geometry(values, conv)  # type: ignore[arg-type]
+    k = geo["K"]
+    params = [np.asarray(graph.params[v], np.float32) for v in node.inputs[1:]]
+    packed = torch.from_numpy(pack_weight(params[0], geo))
+    kp = _pad(k, VB)
+    b1, bdw = np.zeros(kp, np.float32), np.zeros(kp, np.float32)
+    b1[:k], bdw[:k] = params[1], params[3]
+    wdw = np.zeros((3, 3, kp), np.float32)
+    wdw[:, :, :k] = params[2][:, 0].transpose(1, 2, 0)
+    held = (packed, torch.from_numpy(b1), torch.from_numpy(wdw), torch.from_numpy(bdw))
+    ptrs = [t.data_ptr() for t in held]
+    cl = torch.channels_last
+    x_fmt = torch.contiguous_format if geo["XSC"] != 1 else cl
+    x_dims = tuple(graph.values[node.inputs[0]].shape)
+    out_dims = tuple(graph.values[node.outputs[0]].shape)
+
+    def call(x: torch.Tensor, y: torch.Tensor) -> None:
+        if fn(x.data_ptr(), *ptrs, y.data_ptr(), x.shape[0]):
+            raise MemoryError(f"{node.name}: the fused stem kernel could not allocate its rows")
+
+    def stem_dw(x, *_params):
+        x = x if x.is_contiguous(memory_format=x_fmt) else x.contiguous(memory_format=x_fmt)
+        y = torch.empty((x.shape[0], *out_dims[1:]), dtype=torch.float32, memory_format=cl)
+        call(x, y)
+        return y
+
+    def stem_dw_out(x, *rest):
+        """Destination form: ``rest`` ends with the dense channels_last output."""
+        y = rest[-1]
+        if tuple(y.shape) != (x.shape[0], *out_dims[1:]) or not y.is_contiguous(memory_format=cl):
+            raise ValueError(f"{node.name}: the fused stem kernel writes a dense output")
+        x = x if x.is_contiguous(memory_format=x_fmt) else x.contiguous(memory_format=x_fmt)
+        call(x, y)
+
+    def stem_dw_native(x, *rest):
+        y = rest[-1]
+        if not (
+            tuple(x.shape) == x_dims
+            and x.is_contiguous(memory_format=x_fmt)
+            and tuple(y.shape) == out_dims
+            and y.is_contiguous(memory_format=cl)
+        ):
+            return None
+        return NativeCall(address, (x, *ptrs, y, x_dims[0]), True, keep=held)
+
+    address = native_address(fn)
+    stem_dw_out.native = stem_dw_native  # type: ignore[attr-defined]
+    stem_dw_out.dense_only = True  # type: ignore[attr-defined]
+    stem_dw.out = stem_dw_out  # type: ignore[attr-defined]
+    stem_dw.algorithm = "direct stem + depthwise"  # type: ignore[attr-defined]
+    stem_dw.keep = held  # type: ignore[attr-defined]
+    return holds_inputs(stem_dw, range(1, 5))

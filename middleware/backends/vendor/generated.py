@@ -20,9 +20,10 @@ from ..x86.compile import build_c
 from .calls import activation_attrs
 
 
-def activation_why_not(node: Node) -> str | None:
-    """None where ``node``'s fused activation (if any) has loop semantics, else why not."""
-    name, attrs = activation_attrs(node)
+def activation_why_not(node: Node, key: str = "activation") -> str | None:
+    """None where ``node``'s fused activation (if any; ``key``: which, as in
+    ``calls.activation_attrs``) has loop semantics, else why not."""
+    name, attrs = activation_attrs(node, key)
     if name:
         try:
             activation_expr(name, attrs, Acc())
@@ -31,10 +32,10 @@ def activation_why_not(node: Node) -> str | None:
     return None
 
 
-def activation_c(node: Node) -> str:
-    """``node``'s fused activation as a C expression of ``acc_v`` (``acc_v`` itself where
-    there is none)."""
-    name, attrs = activation_attrs(node)
+def activation_c(node: Node, key: str = "activation") -> str:
+    """``node``'s fused activation (``key``: which, as in ``calls.activation_attrs``) as a C
+    expression of ``acc_v`` (``acc_v`` itself where there is none)."""
+    name, attrs = activation_attrs(node, key)
     if not name:
         return "acc_v"
     return c_expr(activation_expr(name, attrs, Acc()), lambda x: "")
