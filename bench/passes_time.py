@@ -15,10 +15,10 @@ import time
 
 import torch
 import torchvision.models as tvm
-from middleware.passes import DEFAULT_HARDWARE, run_passes
 
 from middleware import trace
 from middleware.options import Options
+from middleware.passes import DEFAULT_HARDWARE, run_passes
 
 
 def main() -> None:

@@ -19,10 +19,10 @@ import torch
 from conftest import OPT_ATOL, OPT_RTOL, assert_tree_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from middleware.runtime.module import OptimizedModule
 from torch import nn
 
 import middleware
+from middleware.runtime.module import OptimizedModule
 
 BINARY: dict[str, Callable[..., torch.Tensor]] = {
     "add": torch.add,

@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn as nn
 from cuda_cases import FAKE_GPU
+
+import middleware
 from middleware.backends.cuda.build import build, emulation_request
 from middleware.backends.cuda.emulate import EmulatedLauncher
 from middleware.backends.cuda.epilogue import conv_epilogue, make_conv, render_epilogue
 from middleware.backends.cuda.units import cuda_units
+from middleware.options import Options
 from middleware.passes.fuse_vendor_epilogue import fuse_vendor_epilogue
 from middleware.runtime.plan import build_plan
-
-import middleware
-from middleware.options import Options
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
 

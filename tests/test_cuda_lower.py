@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from middleware.backends.cuda.lower import affine_batch_norms
 
 import middleware
+from middleware.backends.cuda.lower import affine_batch_norms
 
 
 def _net() -> nn.Module:
@@ -47,10 +47,10 @@ def test_lowered_graph_runs_as_generated_cuda_kernels(tmp_path):
 
     import pytest
     from cuda_cases import FAKE_GPU
-    from middleware.backends.cuda.units import cuda_units
-    from middleware.runtime.plan import build_plan
 
+    from middleware.backends.cuda.units import cuda_units
     from middleware.options import Options
+    from middleware.runtime.plan import build_plan
 
     if shutil.which("g++") is None:
         pytest.skip("no g++ for the emulation")
@@ -74,12 +74,12 @@ def test_channels_last_convolutions_keep_one_weight_copy(tmp_path):
 
     import pytest
     from cuda_cases import FAKE_GPU
-    from middleware.backends.cuda.lower import channels_last_weights
-    from middleware.backends.cuda.units import cuda_units
-    from middleware.runtime.plan import build_plan
     from test_cuda_units import _as_channels_last
 
+    from middleware.backends.cuda.lower import channels_last_weights
+    from middleware.backends.cuda.units import cuda_units
     from middleware.options import Options
+    from middleware.runtime.plan import build_plan
 
     if shutil.which("g++") is None:
         pytest.skip("no g++ for the emulation")

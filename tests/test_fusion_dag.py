@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 from fusion_helpers import POOL, add, add_bn, check_group, hardware
-from middleware.passes.schedule import schedule_group
 
 from middleware.graph import Graph, TensorType
+from middleware.passes.schedule import schedule_group
 
 
 @pytest.fixture(scope="module")

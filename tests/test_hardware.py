@@ -15,15 +15,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-from middleware.passes import DEFAULT_HARDWARE
-from middleware.passes.classify import classify, roofline
-from middleware.runtime import report as report_mod
 
 import middleware
 from middleware import hardware as hwmod
 from middleware import trace
 from middleware.hardware import CPU_DEFAULTS, GPU_DEFAULTS, Hardware
 from middleware.options import Options
+from middleware.passes import DEFAULT_HARDWARE
+from middleware.passes.classify import classify, roofline
+from middleware.runtime import report as report_mod
 
 # the module (``middleware.passes.classify`` the attribute is the pass function)
 classify_mod = importlib.import_module("middleware.passes.classify")

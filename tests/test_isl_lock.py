@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 from fusion_helpers import bn, build_chain, hardware
+
 from middleware.backends.x86 import backend as x86
 from middleware.backends.x86.backend import IspcBackend, X86Backend
-
 from middleware.options import Options
 
 

@@ -230,9 +230,7 @@ LAYOUT_PRESERVING = frozenset(
 
 
 # (conv2d and conv2d_dw: tests/test_fuse_depthwise.py runs conv2d_dw on both layouts)
-@pytest.mark.parametrize(
-    "op", sorted(LAYOUT_PRESERVING - {"conv2d", "conv2d_dw", "split", "cat"})
-)
+@pytest.mark.parametrize("op", sorted(LAYOUT_PRESERVING - {"conv2d", "conv2d_dw", "split", "cat"}))
 def test_layout_preserving_table(op):
     """Each op the registry calls layout-preserving keeps channels_last in its reference."""
     attrs = {

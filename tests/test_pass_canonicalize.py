@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from middleware.passes.canonicalize import FOLD_GROWTH_LIMIT, canonicalize
-from middleware.passes.verify import check_equivalent
 
 from middleware import trace
 from middleware.graph import Graph, Node, TensorType
 from middleware.ops import infer_types
+from middleware.passes.canonicalize import FOLD_GROWTH_LIMIT, canonicalize
+from middleware.passes.verify import check_equivalent
 
 TOL = 1e-6  # no arithmetic changes except folded constants (computed by the same reference)
 

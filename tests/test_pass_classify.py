@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
-from middleware.passes import DEFAULT_HARDWARE
-from middleware.passes.classify import classify, roofline
 
 from middleware import trace
 from middleware.hardware import detect
+from middleware.passes import DEFAULT_HARDWARE
+from middleware.passes.classify import classify, roofline
 
 # This machine kind measured ~200 GFLOP/s against 20-60 GB/s: a balance of about 3 to 10.
 LOW = dataclasses.replace(DEFAULT_HARDWARE, peak_gflops=200.0, bandwidth_gbs=60.0)

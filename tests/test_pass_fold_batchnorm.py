@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn as nn
-from middleware.passes.fold_batchnorm import fold_batchnorm
-from middleware.passes.verify import check_equivalent, random_inputs
 
 from middleware import trace
 from middleware.graph import Graph
+from middleware.passes.fold_batchnorm import fold_batchnorm
+from middleware.passes.verify import check_equivalent, random_inputs
 
 TOL = 1e-5  # float64 folding, cast back to float32: rounding only
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from middleware.passes import DEFAULT_HARDWARE
-from middleware.passes.fuse_vendor_epilogue import POST_OPS, fuse_vendor_epilogue
-from middleware.passes.verify import check_equivalent
 
 from middleware import trace
 from middleware.graph import Graph, Node
 from middleware.ops import get_op
+from middleware.passes import DEFAULT_HARDWARE
+from middleware.passes.fuse_vendor_epilogue import POST_OPS, fuse_vendor_epilogue
+from middleware.passes.verify import check_equivalent
 
 CPU = DEFAULT_HARDWARE
 CUDA = dataclasses.replace(DEFAULT_HARDWARE, kind="cuda")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from middleware.passes.merge_concat import merge_concat
-from middleware.passes.verify import check_equivalent
 
 from middleware import trace
+from middleware.passes.merge_concat import merge_concat
+from middleware.passes.verify import check_equivalent
 
 
 def cats(g):

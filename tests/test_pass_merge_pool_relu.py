@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from middleware.passes.merge_pool_relu import merge_pool_relu
-from middleware.passes.verify import check_equivalent
 
 from middleware.graph import Graph, Node, TensorType
 from middleware.ops import infer_types
+from middleware.passes.merge_pool_relu import merge_pool_relu
+from middleware.passes.verify import check_equivalent
 
 POOL = {
     "kernel_size": (3, 3),

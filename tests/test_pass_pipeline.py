@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from middleware.passes import PIPELINE, make_pipeline, pass_names, run_passes
-from middleware.passes.verify import check_equivalent
 
 import middleware
 from middleware import trace
 from middleware.options import Options
+from middleware.passes import PIPELINE, make_pipeline, pass_names, run_passes
+from middleware.passes.verify import check_equivalent
 
 EXPECTED = [
     "canonicalize",

@@ -6,11 +6,11 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from middleware.passes.pool_before_concat import pool_before_concat
-from middleware.passes.verify import check_equivalent
 
 from middleware.graph import Graph, Node, TensorType
 from middleware.ops import infer_types
+from middleware.passes.pool_before_concat import pool_before_concat
+from middleware.passes.verify import check_equivalent
 
 TOL = 1e-6  # per-channel arithmetic is unchanged
 
