@@ -1,6 +1,6 @@
-"""The generated streaming GEMV (linear's ``gemv`` algorithm, backends/vendor/gemv.py)
-against ``F.linear`` plus the activation: random row counts (1..8, leading dims of rank 2
-and 3), feature counts on and off the kernel's 64-float step, bias or none, activations,
+"""The generated streaming GEMV (linear's ``gemv`` algorithm, backends/vendor/gemv.py) and,
+above 4 rows, its blocked product, against ``F.linear`` plus the activation: random row
+counts (1..16, leading dims of rank 2 and 3; partial blocks of weight and input rows), feature counts on and off the kernel's 64-float step, bias or none, activations,
 NaN/inf; and through ``optimize()`` on a small classifier. Exact up to float rounding
 (2e-5 of the output's scale)."""
 
@@ -57,7 +57,7 @@ def _run(g, node, x, tmp_path):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    lead=st.sampled_from([(1,), (2,), (4,), (5,), (8,), (2, 3), (1, 7)]),
+    lead=st.sampled_from([(1,), (2,), (4,), (5,), (8,), (2, 3), (1, 7), (13,), (16,), (3, 5)]),
     in_f=st.sampled_from([1, 15, 64, 65, 200, 1029]),
     out_f=st.integers(1, 70),
     activation=st.sampled_from([None, "relu", "sigmoid", "hardswish"]),
@@ -71,9 +71,10 @@ def test_gemv_matches_pytorch(lead, in_f, out_f, activation, bias, tmp_path_fact
     torch.testing.assert_close(y, ref, rtol=2e-5, atol=2e-5 * scale)
 
 
-def test_nan_and_infinity_spread_as_in_pytorch(tmp_path):
-    g, node = _case((3,), 130, 9, "relu")
-    x = torch.randn(3, 130)
+@pytest.mark.parametrize("rows", [3, 11])
+def test_nan_and_infinity_spread_as_in_pytorch(rows, tmp_path):
+    g, node = _case((rows,), 130, 9, "relu")
+    x = torch.randn(rows, 130)
     x[0, 5], x[2, 129] = math.nan, math.inf
     y, ref = _run(g, node, x, tmp_path)
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
@@ -82,8 +83,8 @@ def test_nan_and_infinity_spread_as_in_pytorch(tmp_path):
 
 
 def test_gemv_declines_many_rows_and_other_devices():
-    g, node = _case((9,), 16, 4)
-    assert "9 rows" in alg.GEMV.applies(g, node, CPU, Options())
+    g, node = _case((17,), 16, 4)
+    assert "17 rows" in alg.GEMV.applies(g, node, CPU, Options())
     g1, node1 = _case((1,), 16, 4)
     assert "x86 only" in alg.GEMV.applies(g1, node1, torch.device("cuda"), Options())
     assert alg.GEMV.exact and "gemv" in alg.algorithm_names("linear")
@@ -105,11 +106,12 @@ def test_gemv_through_optimize(batch, tmp_path, tree_close):
     assert [r.algorithm for r in rows] == ["gemv", "gemv"], rows
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch", [1, 4, 12, 17])
 def test_the_default_runs_one_row_as_the_gemv(batch, tmp_path, tree_close):
-    """With no selection, a linear layer on one row is the generated GEMV (measured
-    faster than F.linear and oneDNN there), with the reason in report(); from 2 rows the
-    vendor call is; algorithms={'linear': 'vendor'} keeps the vendor call on one row."""
+    """With no selection, a linear layer on one row is the generated GEMV and on 5 to 16
+    rows its blocked product (each measured faster than F.linear and oneDNN there), with
+    the reason in report(); at 2-4 rows and above 16 the vendor call is;
+    algorithms={'linear': 'vendor'} keeps the vendor call on one row."""
     torch.manual_seed(1)
     model = nn.Sequential(nn.Flatten(), nn.Linear(300, 129), nn.ReLU(), nn.Linear(129, 10))
     model = model.eval()
@@ -118,8 +120,10 @@ def test_the_default_runs_one_row_as_the_gemv(batch, tmp_path, tree_close):
     with torch.no_grad():
         tree_close(opt(x), model(x), rtol=1e-4, atol=1e-4)
     rows = [r for r in opt.report().rows if r.op == "linear"]
-    want = "gemv" if batch == 1 else "vendor"
+    want = "gemv" if batch in (1, 12) else "vendor"
     assert [r.algorithm for r in rows] == [want, want], rows
+    if batch == 12:
+        assert all("5 to 16 rows" in r.reason for r in rows), rows
     if batch == 1:
         assert all("one row" in r.reason for r in rows), rows
         named = middleware.optimize(

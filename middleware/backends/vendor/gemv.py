@@ -1,6 +1,9 @@
 """The ``gemv`` algorithm of linear: a generated streaming matrix-vector product for a few
 rows (batch 1 classifiers: alexnet's and vgg16's fully connected layers read 100+ MB of
-weights per call), with the activation fused (``x86/templates/gemv.c.j2``).
+weights per call), with the activation fused (``x86/templates/gemv.c.j2``); from
+``STREAM_ROWS + 1`` to ``MAX_ROWS`` rows a blocked product instead
+(``x86/templates/gemm_rows.c.j2``: 4 weight rows x 4 input rows of 16-lane sums a block,
+the loads one per two multiply-adds; a batch-16 classifier).
 
 At ``rows`` <= ``MAX_ROWS`` a linear layer is bound by reading its weight: the kernel
 reads PyTorch's own row-major weight in place (no packed copy), every element once per
@@ -29,9 +32,12 @@ from .generated import activation_c, activation_why_not, load_kernel
 
 Kernel = Callable[..., Any]
 
-MAX_ROWS = 8  # rows (the input's leading dims multiplied) where a GEMV streams the weight
+MAX_ROWS = 16  # rows (the input's leading dims multiplied) this algorithm takes
+STREAM_ROWS = 4  # up to here the streaming GEMV (gemv.c.j2), above it the blocked product
 NB = 4  # rows per pass over the weight
 U = 4  # 16-lane accumulators per row
+OB, RB = 4, 4  # the blocked product's weight rows x input rows (16 sums) per block
+PARALLEL_WORK = 1 << 15  # multiply-adds below which one thread runs it (OpenMP's fork)
 
 
 def rows_of(graph: Graph, node: Node) -> int:
@@ -59,6 +65,8 @@ def why_not(graph: Graph, node: Node, device: torch.device) -> str | None:
 
 
 def render(graph: Graph, node: Node, threads: int) -> tuple[str, str]:
+    """(kernel name, C source): the streaming GEMV up to ``STREAM_ROWS`` rows, above it the
+    blocked few-rows product (``gemm_rows.c.j2``)."""
     w_t = graph.values[node.inputs[1]]
     out_f, in_f = w_t.shape
     bias = len(node.inputs) > 2
@@ -66,13 +74,19 @@ def render(graph: Graph, node: Node, threads: int) -> tuple[str, str]:
     act = activation_c(node)
     text = "sum_i W[o][i] * x[r][i]" + (" + b[o]" if bias else "")
     text = f"{name}({text})" if name else text
+    blocked = rows_of(graph, node) > STREAM_ROWS
     fields = dict(
-        IN=in_f, OUT=out_f, NB=NB, U=U, PREFETCH=16 * 64, bias=bias, activation=act,
-        epilogue_text=text, threads=max(1, threads),
+        IN=in_f, OUT=out_f, bias=bias, activation=act, epilogue_text=text,
+        threads=max(1, threads),
     )  # fmt: skip
+    if blocked:
+        fields.update(OB=OB, RB=RB, MAXR=MAX_ROWS, parallel_work=PARALLEL_WORK)
+    else:
+        fields.update(NB=NB, U=U, PREFETCH=16 * 64)
     digest = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:10]
-    kname = f"gemv_{digest}"
-    return kname, environment().get_template("gemv.c.j2").render(name=kname, **fields)
+    kname = f"{'gemm_rows' if blocked else 'gemv'}_{digest}"
+    template = "gemm_rows.c.j2" if blocked else "gemv.c.j2"
+    return kname, environment().get_template(template).render(name=kname, **fields)
 
 
 def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Kernel | None:
