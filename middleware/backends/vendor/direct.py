@@ -98,6 +98,12 @@ def _geometry(graph: Graph, node: Node) -> dict[str, int]:
     return geo
 
 
+def _stream_min(hardware: Hardware) -> int | None:
+    """The output size from which the kernels store non-temporally (AVX-512 stores: None,
+    never, on a CPU without them)."""
+    return stream_min_bytes(hardware) if hardware.simd_bytes >= 64 else None
+
+
 def reads_nchw(graph: Graph, node: Node) -> bool:
     """The blocked nest reads ``node``'s input in NCHW in place (a dense layer with few
     input channels whose input is NCHW: the stem, on the user's image)."""
@@ -189,7 +195,7 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
     does not apply or failed to compile (warned; ``options.strict`` raises)."""
     if why_not(graph, node, torch.device("cpu")) is not None:
         return None
-    kname, src = render(graph, node, hardware.cores, stream_min_bytes(hardware))
+    kname, src = render(graph, node, hardware.cores, _stream_min(hardware))
     fn = load_kernel(
         node,
         kname,
@@ -380,7 +386,7 @@ def stem_dw_kernel(graph: Graph, node: Node, options: Options, hardware: Hardwar
     to compile (warned; ``options.strict`` raises)."""
     if stem_dw_why_not(graph, node, torch.device("cpu")) is not None:
         return None
-    kname, src = render_stem_dw(graph, node, hardware.cores, stream_min_bytes(hardware))
+    kname, src = render_stem_dw(graph, node, hardware.cores, _stream_min(hardware))
     fn = load_kernel(
         node, kname, src, [ctypes.c_void_p] * 6 + [ctypes.c_int], options, hardware,
         "the reference's two convolutions",
