@@ -89,24 +89,24 @@ def _conv2d_dw(node: Node) -> Kernel:
     name2 = node.attrs.get("dw_activation")
     act2 = activation_fn(name2, dict(node.attrs.get("dw_activation_attrs", ()))) if name2 else None
 
+    # ``output_layout="nhwc"``: a stem that read an NCHW image (as conv2d's)
+    out_cl = node.attrs.get("output_layout") == "nhwc"
+
     def conv2d_dw(x, w1, b1, wdw, bdw):
         y = torch.conv2d(x, w1, b1, stride1, padding1)
         y = act1(y) if act1 is not None else y
         y = torch.conv2d(y, wdw, bdw, stride, 1, 1, wdw.shape[0])
-        return act2(y) if act2 is not None else y
+        y = act2(y) if act2 is not None else y
+        return y.contiguous(memory_format=torch.channels_last) if out_cl else y
 
     return conv2d_dw
-
-
-def _pair(v: Any) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
 def conv2d_dw_flops(node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> float:
     n, c, h, w = ins[0].shape
     k, _, kh, kw = ins[1].shape
     s1, p1 = node.attrs.get("stride1", 1), node.attrs.get("padding1", 0)
-    (sh, sw), (ph, pw) = _pair(s1), _pair(p1)
+    (sh, sw), (ph, pw) = loops.pair(s1), loops.pair(p1)
     mid = ((h + 2 * ph - kh) // sh + 1) * ((w + 2 * pw - kw) // sw + 1)
     return 2.0 * n * mid * k * c * kh * kw + 2.0 * outs[0].numel * 9
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 from fusion_helpers import hardware, reinit
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import middleware
@@ -77,7 +77,7 @@ def _graph(xs, k, kernel, stride1, padding1, ds, act1, act2, layout, seed=0):
     stride1=st.tuples(st.integers(1, 3), st.integers(1, 3)),
     pad=st.tuples(st.integers(0, 3), st.integers(0, 3)),
     ds=st.sampled_from([1, 2]),
-    hw=st.tuples(st.integers(8, 40), st.integers(8, 45)),
+    hw=st.tuples(st.integers(1, 40), st.integers(1, 45)),
     n=st.sampled_from([1, 3]),
     act1=st.sampled_from(sorted(ACTS)),
     act2=st.sampled_from(sorted(ACTS)),
@@ -90,7 +90,8 @@ def test_stem_dw_kernel_matches_pytorch(
     """The fused kernel's plain call, destination form and native call's operands against
     the reference's two convolutions, either input layout, with and without non-temporal
     stores of the output."""
-    padding1 = (min(pad[0], kernel[0] // 2), min(pad[1], kernel[1] // 2))
+    padding1 = pad  # (wider than the kernel's half too: rows and columns of padding only)
+    assume(all(h + 2 * p >= k_ for h, p, k_ in zip(hw, pad, kernel, strict=True)))
     xs = (n, c, *hw)
     g, node = _graph(xs, k, kernel, stride1, padding1, ds, act1, act2, layout, seed=c + k)
     assert direct.stem_dw_why_not(g, node, CPU) is None
@@ -114,6 +115,19 @@ def test_stem_dw_kernel_matches_pytorch(
     fn.out(x, *params, out)
     _close(out, ref)
     assert fn.out.native(x, *params, out) is not None
+
+
+def test_the_kernel_declines_what_it_does_not_compute():
+    """Another depthwise kernel size or stride, or a stem of more input channels than it
+    reads in place: the direct kernel says why (the reference then runs)."""
+    g, node = _graph((1, 3, 16, 16), 16, (3, 3), (2, 2), (1, 1), 2, "relu", "relu", "nchw")
+    assert direct.stem_dw_why_not(g, node, CPU) is None
+    for change in ("dw5x5", "stride3", "wide"):
+        g2, node2 = _graph((1, 8 if change == "wide" else 3, 16, 16), 16, (3, 3), (2, 2),
+                           (1, 1), 3 if change == "stride3" else 2, "relu", "relu", "nchw")  # fmt: skip
+        if change == "dw5x5":
+            g2.values["wdw"] = TensorType((16, 1, 5, 5))
+        assert direct.stem_dw_why_not(g2, node2, CPU) is not None, change
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
@@ -200,13 +214,13 @@ def test_a_stem_runs_fused_through_optimize(
 @pytest.mark.parametrize(
     "case",
     ["control", "small", "wide", "many_inputs", "dw5x5", "read_twice", "disabled",
-     "named_algorithm", "auto", "training"],
+     "named_algorithm", "capped", "auto", "training"],
 )  # fmt: skip
 def test_stems_left_alone(case, tmp_path):
     """What the fused kernel does not compute stays two layers, with PyTorch's values: a
     stem's output that fits the caches, 64 output or 8 input channels, a 5x5 depthwise
     layer, a stem's output read by another layer too, the pass switched off, conv2d
-    algorithms the user named, training. (Controls: unchanged, or ``algorithms="auto"``.)"""
+    algorithms the user named, a cap on extra parameter bytes, training. (Controls: unchanged, or ``algorithms="auto"``.)"""
     options: dict = {"hardware": SMALL_L2}
     kw: dict = {}
     if case == "small":
@@ -223,6 +237,8 @@ def test_stems_left_alone(case, tmp_path):
         options["disable_passes"] = ("fuse_stem",)
     elif case == "named_algorithm":
         options["algorithms"] = {"conv2d": "vendor"}
+    elif case == "capped":  # the fused kernel's packed weights could pass the cap
+        options["max_extra_param_bytes"] = 0
     elif case == "auto":
         options["algorithms"] = {"conv2d": "auto"}
     m = reinit(_Stem(**kw), 3).eval()

@@ -70,9 +70,9 @@ def test_depthwise_direct_blocks_read_only_their_input(geo, bias, residual, act)
     if residual:
         args.append(_in_nan_sea(g.values["r"].shape))
     y = fn(*args)
-    # the reference on fresh copies: PyTorch 2.14.1's conv2d read a view at a storage offset
-    # wrongly (x (1, 1, 1, 7) at offset 4096, a 7x7 kernel, stride (1, 2), padding (4, 0):
-    # the middle output row off by 100%; the same values copied: right)
+    # the reference on fresh contiguous copies: PyTorch 2.14.1's conv2d computes x of shape
+    # (1, 1, 1, 7) with strides (7, 1, 7, 1) (channels_last of one channel) wrongly under a 7x7
+    # kernel, stride (1, 2), padding (4, 0): the middle output row is off; contiguous: right
     ref = get_op("conv2d").bind(node)(
         *[a.clone(memory_format=torch.contiguous_format) for a in args]
     )
@@ -95,9 +95,9 @@ def test_depthwise_direct_nan_and_inf_per_pixel(w, pad):
     x[0, 5, 2, w // 2] = float("-inf")
     args = [_in_nan_sea(xs, x), torch.from_numpy(g.params["w"]), torch.from_numpy(g.params["b"])]
     y = fn(*args)
-    # the reference on fresh copies: PyTorch 2.14.1's conv2d read a view at a storage offset
-    # wrongly (x (1, 1, 1, 7) at offset 4096, a 7x7 kernel, stride (1, 2), padding (4, 0):
-    # the middle output row off by 100%; the same values copied: right)
+    # the reference on fresh contiguous copies: PyTorch 2.14.1's conv2d computes x of shape
+    # (1, 1, 1, 7) with strides (7, 1, 7, 1) (channels_last of one channel) wrongly under a 7x7
+    # kernel, stride (1, 2), padding (4, 0): the middle output row is off; contiguous: right
     ref = get_op("conv2d").bind(node)(
         *[a.clone(memory_format=torch.contiguous_format) for a in args]
     )

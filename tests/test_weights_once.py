@@ -155,10 +155,19 @@ def test_rebuilds_read_the_users_weights_not_the_released_ones() -> None:
 
 def test_linear_at_many_rows_runs_on_the_users_weight() -> None:
     """From 8 rows a linear layer runs oneDNN's call on the user's own weight (no packed
-    copy: calls.LINEAR_RULES); below, the packed copy is the step's own."""
+    copy: calls.LINEAR_RULES; above 16 rows, where the generated product does not run);
+    below, the packed copy is the step's own. The generated product (5-16 rows) reads the
+    user's own weight too."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 5)).eval()
-    for batch, packed in ((16, False), (4, True)):
+    x = torch.randn(16, 3, 4, 4)
+    opt = middleware.optimize(model, example_inputs=[x], measure_hardware=False, fuse=False)
+    kept = [t for st in opt.plan.steps if st.fn.__name__ == "linear_gemv" for t in st.fn.keep]
+    assert {model[1].weight.data_ptr(), model[3].weight.data_ptr()} <= {
+        t.data_ptr() for t in kept if t is not None
+    }
+    _check(opt, model, x)
+    for batch, packed in ((17, False), (4, True)):
         x = torch.randn(batch, 3, 4, 4)
         opt = middleware.optimize(model, example_inputs=[x], measure_hardware=False, fuse=False)
         held = [

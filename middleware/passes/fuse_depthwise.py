@@ -20,12 +20,9 @@ import numpy as np
 
 from ..graph import Graph, Node
 from ..hardware import Hardware
+from ..loops import pair as _pair
 from ..ops import get_op
 from .patterns import Readers, Rewrite
-
-
-def _pair(v: Any) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
 def _plain_conv(graph: Graph, node: Node) -> bool:
@@ -173,15 +170,15 @@ def fuse_stem(graph: Graph, hardware: Hardware) -> Graph:
     kernel (backends/vendor/direct.py) computes the stem a few rows at a time into a ring
     in cache and the depthwise layer from there: the stem's output, the largest
     activation of those networks (16 x 112 x 112 floats an image), is never written out.
-    CPU only; where the stem's output fits the cores' L2 caches it is left alone (it stays
-    in cache between the two layers anyway).
+    CPU with AVX-512 only; where the stem's output fits the cores' L2 caches it is left
+    alone (it stays in cache between the two layers anyway).
 
     Expects: layouts assigned, post-ops fused. Guarantees: the same outputs (the
     catalogue's reference of ``conv2d_dw`` runs the two convolutions in turn); the fused
     node keeps the stem's name, writes the depthwise layer's output value and stands at
     its position."""
-    if hardware.kind != "cpu":
-        return graph
+    if hardware.kind != "cpu" or hardware.simd_bytes < 64:
+        return graph  # (the fused kernel's blocking was measured with AVX-512's registers)
     readers = Readers(graph)
     rw = Rewrite(graph)
     for a in graph.nodes():
@@ -200,6 +197,8 @@ def fuse_stem(graph: Graph, hardware: Hardware) -> Graph:
             "stride1": _pair(a.attrs["stride"]),
             "padding1": _pair(a.attrs["padding"]),
         }
+        if a.attrs.get("output_layout"):  # the stem read an NCHW image: its result is NHWC
+            attrs["output_layout"] = a.attrs["output_layout"]
         for key, layer in (("activation", a), ("dw_activation", b)):
             if layer.attrs.get("activation"):
                 attrs[key] = layer.attrs["activation"]

@@ -40,13 +40,21 @@ class CpuBackend(X86Backend):
         calls) or where the user named conv2d algorithms (one name for every layer, a list
         or a callable: each counts on the conv2d layers, two of which the pass would
         merge; ``fuse_stem`` then too). "auto" and "autotune" keep them: the middleware
-        decides there. ``fuse_stem``'s layer is the generated direct kernel's: no oneDNN."""
+        decides there. ``fuse_stem``'s layer is the generated direct kernel's: no oneDNN;
+        it is off under ``max_extra_param_bytes`` too."""
         chosen = any(
             op == "conv2d" and sel not in (DEFAULT, AUTO, AUTOTUNE)
             for op, sel in options.algorithms
         )
         if chosen:
             return ("fuse_depthwise", "fuse_stem")
+        if options.max_extra_param_bytes is not None:
+            # a cap the fused stem kernel's packed weights could exceed: its layer would run
+            # as the reference's two unpacked convolutions
+            off = ("fuse_stem",)
+            if not options.onednn_primitives or onednn.unavailable(options):
+                off = ("fuse_depthwise", *off)
+            return off
         if not options.onednn_primitives or onednn.unavailable(options):
             return ("fuse_depthwise",)
         return ()

@@ -683,12 +683,14 @@ def _depthwise_at_batch_one(graph: Graph, node: Node) -> bool:
 # it, and stores its large output non-temporally. Batch 16 (1) against oneDNN, ms:
 # mobilenet_v3_small 0.98 vs 1.80 (0.080 vs 0.152), mobilenet_v2 1.53 vs 2.34 (0.111 vs
 # 0.187), shufflenet_v2 1.52 vs 2.96 (0.110 vs 0.205), inception_v3 2.78 vs 5.33 (0.191
-# vs 0.366). With 64 output channels oneDNN's is as fast or faster (resnet's 7x7 stem
-# 9.7 vs 11.4, vgg16's 10.7 vs 13.8, alexnet's 5.7 vs 8.3, squeezenet's 3.6 vs 3.6).
+# vs 0.366). With 64 output channels oneDNN's is as fast or faster (direct vs oneDNN:
+# resnet's 7x7 stem 11.4 vs 9.7, vgg16's 13.8 vs 10.7, alexnet's 8.3 vs 5.7, squeezenet's
+# 3.6 vs 3.6). Measured with AVX-512 only: the rule wants it (the nest's blocks count on
+# its 32 registers).
 DIRECT_STEM_MAX_K = 32
 DIRECT_STEM_REASON = (
     "direct (a stem: at most 32 output channels on the NCHW image): reads the image in "
-    "place and streams its output; measured 1.7-2x faster than oneDNN's call there "
+    "place and streams its output; measured 1.5-2x faster than oneDNN's call there "
     "(algorithms.DIRECT_STEM_REASON's comment)"
 )
 
@@ -784,6 +786,7 @@ def default_choice(
             return Choice(fn, STEM_DW_DIRECT.name, STEM_DW_REASON)
     if (
         device.type == "cpu"
+        and hardware.simd_bytes >= 64  # (measured with AVX-512: the blocks count on 32 registers)
         and _stem(graph, node)
         and _usable(DIRECT, graph, node, device, options) is None
     ):
@@ -800,6 +803,7 @@ def default_choice(
             return Choice(fn, GEMV.name, GEMV_ONE_ROW_REASON)
     if (
         device.type == "cpu"
+        and hardware.simd_bytes >= 64  # (measured with AVX-512: 16 accumulators of 16 lanes)
         and _linear_on_few_rows(graph, node)
         and _usable(GEMV, graph, node, device, options) is None
     ):

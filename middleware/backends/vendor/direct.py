@@ -11,8 +11,8 @@ Two loop nests, chosen by the layer (``x86/templates/direct_conv.c.j2``):
   ``[g][kh][kw][cg][kg]``.
 
 Both read the input in place (NHWC; an NCHW input is converted first, except where a
-dense layer has at most ``NCHW_MAX_CG`` input channels: the network's stem reads the
-user's NCHW image in place, its few planes by stride), skip the taps that
+blocked layer has at most ``NCHW_MAX_CG`` input channels per group: the network's stem
+reads the user's NCHW image in place, its few planes by stride), skip the taps that
 fall in the padding instead of reading a padded copy, and write the output once, with the
 epilogue applied in registers: no workspace. Rows of the output run in parallel only where
 a row's work pays for OpenMP's fork (small layers at batch 1 run on one thread). The sums
@@ -32,6 +32,7 @@ import torch
 
 from ...graph import Graph, Node, TensorType
 from ...hardware import Hardware
+from ...loops import pair as _pair
 from ...options import Options
 from ..interface import NativeCall, holds_inputs, native_address
 from ..x86.backend import stream_min_bytes
@@ -292,6 +293,14 @@ def stem_dw_why_not(graph: Graph, node: Node, device: torch.device) -> str | Non
         return f"not a float32 4-d input ({x_t.dtype}, rank {x_t.rank})"
     if not all(graph.is_param(v) for v in node.inputs[1:]):
         return "a weight or bias is computed"
+    k, c = graph.values[node.inputs[1]].shape[:2]
+    if c != x_t.shape[1] or c > NCHW_MAX_CG:
+        return f"a stem of {c} input channels per group on {x_t.shape[1]} (dense, <= {NCHW_MAX_CG})"
+    if graph.values[node.inputs[3]].shape != (k, 1, 3, 3) or int(node.attrs["stride"]) not in (
+        1,
+        2,
+    ):
+        return "not a depthwise 3x3 layer of stride 1 or 2"
     return activation_why_not(node) or activation_why_not(node, "dw_activation")
 
 
@@ -301,10 +310,6 @@ class _Values:
 
     def __init__(self, graph: Graph, extra: dict[str, Any]) -> None:
         self.values = {**graph.values, **extra}
-
-
-def _pair(v: Any) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
 def _stem_of(graph: Graph, node: Node) -> tuple[Any, Node]:
