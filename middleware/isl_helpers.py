@@ -183,7 +183,11 @@ def ix_of(pa: isl.PwAff, context: isl.Set | None = None) -> ix.Ix:
 def ix_bounds(s: isl.Set, order: Sequence[int]) -> list[tuple[ix.Ix, ix.Ix]]:
     """Inclusive (lower, upper) bounds of each dim of ``s`` scanned in ``order`` (dim
     positions, outermost first) as index trees: the bound of a loop depends on the
-    parameters and on the loops outside it only (the inner dims are projected out)."""
+    parameters and on the loops outside it only (the inner dims are projected out). An
+    empty ``s`` (a pooling window entirely in the padding: every tap outside the input)
+    scans nothing: each loop runs from 0 to -1 (isl has no expression for its bounds)."""
+    if s.is_empty():
+        return [(ix.Int(0), ix.Int(-1))] * len(order)
     return [(ix_of(*lo), ix_of(*hi)) for lo, hi in _loop_bound_affs(s, order)]
 
 

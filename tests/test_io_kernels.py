@@ -11,6 +11,7 @@ import dataclasses
 import platform
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -462,3 +463,22 @@ def test_the_vendor_is_read_from_cpuinfo() -> None:
     assert vendor == (lines[0].split(":", 1)[1].strip() if lines else "")
     if platform.machine() == "x86_64":
         assert vendor in ("GenuineIntel", "AuthenticAMD", "HygonGenuine", "CentaurHauls")
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_window_entirely_in_the_padding(channels_last: bool) -> None:
+    """A dilated max-pool over a 1x1 image whose every window lies in the padding (taps at
+    -1 and +1): the window scans nothing and gives the identity, -inf, as PyTorch does,
+    from a generated kernel (its empty loop bounds once made isl fail and the model run
+    as the original)."""
+    m = nn.Sequential(nn.MaxPool2d(2, stride=1, padding=1, dilation=2)).eval()
+    x = torch.randn(2, 3, 1, 1)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the original warns
+        opt = middleware.optimize(m, example_inputs=[x], measure_hardware=False)
+        with torch.no_grad():
+            y, ref = opt(x), m(x)
+    assert torch.equal(y, ref) and bool(torch.isneginf(ref).all())
+    assert {r.runs_as.value for r in opt.report().rows} == {"generated"}
