@@ -84,6 +84,29 @@ def _bias(rw: Rewrite, layer: Node, zeros: np.ndarray) -> str:
     return rw.add_param(f"{layer.name}.zero_bias", zeros)
 
 
+def _merge(graph: Graph, rw: Rewrite, a: Node, b: Node, attrs: dict[str, Any]) -> None:
+    """Replace convolution ``a`` and the depthwise layer ``b`` that alone reads it by one
+    ``conv2d_dw`` node (inputs x, w1, b1, wdw, bdw: a zero bias where a layer had none;
+    ``attrs`` plus each layer's activation), named as ``a``, at ``b``'s position, writing
+    ``b``'s output."""
+    zeros = np.zeros(graph.params[a.inputs[1]].shape[0], dtype=graph.params[a.inputs[1]].dtype)
+    attrs = dict(attrs)
+    for key, layer in (("activation", a), ("dw_activation", b)):
+        if layer.attrs.get("activation"):
+            attrs[key] = layer.attrs["activation"]
+            attrs[f"{key}_attrs"] = layer.attrs.get("activation_attrs", ())
+    fused = Node(
+        a.name,
+        "conv2d_dw",
+        (a.inputs[0], a.inputs[1], _bias(rw, a, zeros), b.inputs[1], _bias(rw, b, zeros)),
+        b.outputs,
+        attrs,
+        source="+".join(dict.fromkeys(s for s in (a.source, b.source) if s)),
+    )
+    rw.drop(a.name)
+    rw.replace(b.name, [(fused, [graph.values[b.outputs[0]]])])
+
+
 def fuse_depthwise(graph: Graph, hardware: Hardware) -> Graph:
     """Replace each 1x1 conv2d whose output only a depthwise 3x3 conv2d reads (padding 1,
     stride 1 or 2, both channels_last, weights and biases parameters, activations already
@@ -113,22 +136,8 @@ def fuse_depthwise(graph: Graph, hardware: Hardware) -> Graph:
         src = graph.producer(a.inputs[0])
         if src is not None and get_op(src.op).strided_view:
             continue  # a channel slice (ShuffleNet's split): the primitive reads dense sources
-        zeros = np.zeros(k, dtype=graph.params[a.inputs[1]].dtype)
         attrs: dict[str, Any] = {"stride": stride}
-        for key, layer in (("activation", a), ("dw_activation", b)):
-            if layer.attrs.get("activation"):
-                attrs[key] = layer.attrs["activation"]
-                attrs[f"{key}_attrs"] = layer.attrs.get("activation_attrs", ())
-        fused = Node(
-            a.name,
-            "conv2d_dw",
-            (a.inputs[0], a.inputs[1], _bias(rw, a, zeros), b.inputs[1], _bias(rw, b, zeros)),
-            b.outputs,
-            attrs,
-            source="+".join(dict.fromkeys(s for s in (a.source, b.source) if s)),
-        )
-        rw.drop(a.name)
-        rw.replace(b.name, [(fused, [graph.values[b.outputs[0]]])])
+        _merge(graph, rw, a, b, attrs)
     return rw.build()
 
 
@@ -191,7 +200,6 @@ def fuse_stem(graph: Graph, hardware: Hardware) -> Graph:
             continue
         if graph.values[a.outputs[0]].nbytes <= hardware.l2_bytes * max(1, hardware.cores):
             continue
-        zeros = np.zeros(k, dtype=graph.params[a.inputs[1]].dtype)
         attrs: dict[str, Any] = {
             "stride": stride,
             "stride1": _pair(a.attrs["stride"]),
@@ -199,18 +207,5 @@ def fuse_stem(graph: Graph, hardware: Hardware) -> Graph:
         }
         if a.attrs.get("output_layout"):  # the stem read an NCHW image: its result is NHWC
             attrs["output_layout"] = a.attrs["output_layout"]
-        for key, layer in (("activation", a), ("dw_activation", b)):
-            if layer.attrs.get("activation"):
-                attrs[key] = layer.attrs["activation"]
-                attrs[f"{key}_attrs"] = layer.attrs.get("activation_attrs", ())
-        fused = Node(
-            a.name,
-            "conv2d_dw",
-            (a.inputs[0], a.inputs[1], _bias(rw, a, zeros), b.inputs[1], _bias(rw, b, zeros)),
-            b.outputs,
-            attrs,
-            source="+".join(dict.fromkeys(s for s in (a.source, b.source) if s)),
-        )
-        rw.drop(a.name)
-        rw.replace(b.name, [(fused, [graph.values[b.outputs[0]]])])
+        _merge(graph, rw, a, b, attrs)
     return rw.build()
