@@ -14,6 +14,7 @@ stride 1, 2.6 against 3.9 ms; stride 2, 1.1 against 2.1 ms; 16->96 at 112x112, s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -25,9 +26,9 @@ from ..ops import get_op
 from .patterns import Readers, Rewrite
 
 
-def _plain_conv(graph: Graph, node: Node) -> bool:
-    """A conv2d of a channels_last float32 image with parameter weight and bias, no
-    residual, no string padding, channels_last output."""
+def _param_conv(graph: Graph, node: Node) -> bool:
+    """A conv2d of a float32 image with parameter weight (and bias), no residual, no string
+    padding, channels_last output."""
     if node.op != "conv2d" or node.attrs.get("residual") or isinstance(node.attrs["padding"], str):
         return False
     if len(node.inputs) not in (2, 3) or not all(v in graph.params for v in node.inputs[1:]):
@@ -36,10 +37,14 @@ def _plain_conv(graph: Graph, node: Node) -> bool:
     return (
         x.rank == 4
         and x.dtype == "float32"
-        and x.layout == "nhwc"
         and y.layout == "nhwc"
         and node.attrs.get("output_layout") in (None, "nhwc")
     )
+
+
+def _plain_conv(graph: Graph, node: Node) -> bool:
+    """:func:`_param_conv` of a channels_last image."""
+    return _param_conv(graph, node) and graph.values[node.inputs[0]].layout == "nhwc"
 
 
 def _pointwise(graph: Graph, node: Node) -> bool:
@@ -84,6 +89,26 @@ def _bias(rw: Rewrite, layer: Node, zeros: np.ndarray) -> str:
     return rw.add_param(f"{layer.name}.zero_bias", zeros)
 
 
+def _pairs(
+    graph: Graph, hardware: Hardware, rw: Rewrite, first: Callable[[Graph, Node], bool]
+) -> Iterator[tuple[Node, Node, int]]:
+    """(a, b, the depthwise stride) for each convolution ``a`` that ``first`` accepts whose
+    output only a depthwise 3x3 conv2d ``b`` reads (:func:`_depthwise3x3`), neither edited
+    yet, where that output outgrows the cores' L2 caches (else it stays in cache between
+    the two layers anyway)."""
+    readers = Readers(graph)
+    for a in graph.nodes():
+        if not first(graph, a):
+            continue
+        b = readers.sole(a.outputs[0])
+        k = graph.params[a.inputs[1]].shape[0]
+        stride = None if b is None else _depthwise3x3(graph, b, k)
+        if b is None or stride is None or rw.is_edited(b.name) or rw.is_edited(a.name):
+            continue
+        if graph.values[a.outputs[0]].nbytes > hardware.l2_bytes * max(1, hardware.cores):
+            yield a, b, stride
+
+
 def _merge(graph: Graph, rw: Rewrite, a: Node, b: Node, attrs: dict[str, Any]) -> None:
     """Replace convolution ``a`` and the depthwise layer ``b`` that alone reads it by one
     ``conv2d_dw`` node (inputs x, w1, b1, wdw, bdw: a zero bias where a layer had none;
@@ -121,18 +146,8 @@ def fuse_depthwise(graph: Graph, hardware: Hardware) -> Graph:
     stands at its position."""
     if hardware.kind != "cpu":
         return graph
-    readers = Readers(graph)
     rw = Rewrite(graph)
-    for a in graph.nodes():
-        if not _pointwise(graph, a):
-            continue
-        b = readers.sole(a.outputs[0])
-        k = graph.params[a.inputs[1]].shape[0]
-        stride = None if b is None else _depthwise3x3(graph, b, k)
-        if b is None or stride is None or rw.is_edited(b.name):
-            continue
-        if graph.values[a.outputs[0]].nbytes <= hardware.l2_bytes * max(1, hardware.cores):
-            continue  # the expanded tensor stays in the cores' caches anyway (see above)
+    for a, b, stride in _pairs(graph, hardware, rw, _pointwise):
         src = graph.producer(a.inputs[0])
         if src is not None and get_op(src.op).strided_view:
             continue  # a channel slice (ShuffleNet's split): the primitive reads dense sources
@@ -151,19 +166,12 @@ def _stem_conv(graph: Graph, node: Node) -> bool:
     """A dense convolution of at most ``STEM_MAX_IN_CHANNELS`` input and
     ``STEM_MAX_OUT_CHANNELS`` output channels on a float32 image (either layout), numeric
     padding, no dilation or residual, parameter weight (and bias), channels_last output."""
-    if node.op != "conv2d" or node.attrs.get("residual") or isinstance(node.attrs["padding"], str):
+    if not _param_conv(graph, node):
         return False
-    if len(node.inputs) not in (2, 3) or not all(v in graph.params for v in node.inputs[1:]):
-        return False
-    x, y = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
     w = graph.params[node.inputs[1]].shape
     a = node.attrs
     return (
-        x.rank == 4
-        and x.dtype == "float32"
-        and y.layout == "nhwc"
-        and node.attrs.get("output_layout") in (None, "nhwc")
-        and int(a["groups"]) == 1
+        int(a["groups"]) == 1
         and _pair(a["dilation"]) == (1, 1)
         and len(w) == 4
         and w[1] <= STEM_MAX_IN_CHANNELS
@@ -188,18 +196,8 @@ def fuse_stem(graph: Graph, hardware: Hardware) -> Graph:
     its position."""
     if hardware.kind != "cpu" or hardware.simd_bytes < 64:
         return graph  # (the fused kernel's blocking was measured with AVX-512's registers)
-    readers = Readers(graph)
     rw = Rewrite(graph)
-    for a in graph.nodes():
-        if not _stem_conv(graph, a):
-            continue
-        b = readers.sole(a.outputs[0])
-        k = graph.params[a.inputs[1]].shape[0]
-        stride = None if b is None else _depthwise3x3(graph, b, k)
-        if b is None or stride is None or rw.is_edited(b.name) or rw.is_edited(a.name):
-            continue
-        if graph.values[a.outputs[0]].nbytes <= hardware.l2_bytes * max(1, hardware.cores):
-            continue
+    for a, b, stride in _pairs(graph, hardware, rw, _stem_conv):
         attrs: dict[str, Any] = {
             "stride": stride,
             "stride1": _pair(a.attrs["stride"]),

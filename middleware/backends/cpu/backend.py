@@ -48,16 +48,14 @@ class CpuBackend(X86Backend):
         )
         if chosen:
             return ("fuse_depthwise", "fuse_stem")
+        off: tuple[str, ...] = ()
+        if not options.onednn_primitives or onednn.unavailable(options):
+            off += ("fuse_depthwise",)
         if options.max_extra_param_bytes is not None:
             # a cap the fused stem kernel's packed weights could exceed: its layer would run
             # as the reference's two unpacked convolutions
-            off = ("fuse_stem",)
-            if not options.onednn_primitives or onednn.unavailable(options):
-                off = ("fuse_depthwise", *off)
-            return off
-        if not options.onednn_primitives or onednn.unavailable(options):
-            return ("fuse_depthwise",)
-        return ()
+            off += ("fuse_stem",)
+        return off
 
     def lower(self, graph: Graph, options: Options) -> Graph:
         """No CPU-specific rewrites: the passes' graph is what runs."""

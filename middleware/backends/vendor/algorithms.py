@@ -275,14 +275,6 @@ def _stem_dw_build(
     return direct.stem_dw_kernel(graph, node, options, hardware)
 
 
-def _stem_dw_extra(graph: Graph, node: Node) -> int:
-    """The packed stem weight, the depthwise weight and both biases, padded to 16 lanes."""
-    k, c, kh, kw = graph.values[node.inputs[1]].shape
-    kp = -(-k // direct.VB) * direct.VB
-    kgp = kp if k <= direct.VB else -(-k // direct.KB) * direct.KB
-    return 4 * (kh * kw * c * kgp + 9 * kp + 2 * kp)
-
-
 CONV_DW_VENDOR = dataclasses.replace(
     VENDOR,
     op="conv2d_dw",
@@ -295,7 +287,7 @@ STEM_DW_DIRECT = Algorithm(
     "conv2d_dw",
     _stem_dw_applies,
     _stem_dw_build,
-    _stem_dw_extra,
+    direct.stem_dw_extra_bytes,
     description="generated: the stem's rows computed a few at a time into a ring in cache, "
     "the depthwise layer read from there (its input never written out)",
 )

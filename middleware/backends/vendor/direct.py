@@ -99,6 +99,16 @@ def _geometry(graph: Graph, node: Node) -> dict[str, int]:
     return geo
 
 
+def _dense(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
+    """``t`` dense in ``fmt`` (itself where it is)."""
+    return t if t.is_contiguous(memory_format=fmt) else t.contiguous(memory_format=fmt)
+
+
+def _laid_out(t: torch.Tensor, fmt: torch.memory_format, dims: tuple[int, ...]) -> bool:
+    """``t`` has shape ``dims`` and is dense in ``fmt``."""
+    return tuple(t.shape) == dims and t.is_contiguous(memory_format=fmt)
+
+
 def _stream_min(hardware: Hardware) -> int | None:
     """The output size from which the kernels store non-temporally (AVX-512 stores: None,
     never, on a CPU without them)."""
@@ -229,20 +239,14 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
     x_fmt = torch.contiguous_format if geo["XSC"] != 1 else cl
     batch = graph.values[node.inputs[0]].shape[0]
 
-    def dense(t: torch.Tensor, fmt: torch.memory_format = cl) -> torch.Tensor:
-        return t if t.is_contiguous(memory_format=fmt) else t.contiguous(memory_format=fmt)
-
-    def laid_out(t: torch.Tensor, fmt: torch.memory_format, dims: tuple[int, ...]) -> bool:
-        return tuple(t.shape) == dims and t.is_contiguous(memory_format=fmt)
-
     def call(x: torch.Tensor, r: torch.Tensor | None, y: torch.Tensor) -> None:
         fn(x.data_ptr(), packed.data_ptr(), bias_ptr, r.data_ptr() if r is not None else None,
            y.data_ptr(), x.shape[0])  # fmt: skip
 
     def conv_direct(x, _w, *rest):
-        x = dense(x, x_fmt)
+        x = _dense(x, x_fmt)
         y = torch.empty((x.shape[0], *shape), dtype=torch.float32, memory_format=cl)
-        call(x, dense(rest[-1]) if residual else None, y)
+        call(x, _dense(rest[-1], cl) if residual else None, y)
         return y.contiguous() if nchw else y
 
     if not nchw:
@@ -250,16 +254,16 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> Ke
         def conv_direct_out(x, _w, *rest):
             """Destination form: ``rest`` ends with the dense channels_last output."""
             y = rest[-1]
-            if not laid_out(y, cl, (x.shape[0], *shape)):
+            if not _laid_out(y, cl, (x.shape[0], *shape)):
                 raise ValueError(f"{node.name}: the direct convolution writes a dense output")
-            call(dense(x, x_fmt), dense(rest[-2]) if residual else None, y)
+            call(_dense(x, x_fmt), _dense(rest[-2], cl) if residual else None, y)
 
         def conv_direct_native(x, _w, *rest):
             y = rest[-1]
             r = rest[-2] if residual else None
             dims = (batch, *shape)
-            if not (laid_out(x, x_fmt, (batch, *graph.values[node.inputs[0]].shape[1:]))
-                    and laid_out(y, cl, dims) and (r is None or laid_out(r, cl, dims))):  # fmt: skip
+            if not (_laid_out(x, x_fmt, (batch, *graph.values[node.inputs[0]].shape[1:]))
+                    and _laid_out(y, cl, dims) and (r is None or _laid_out(r, cl, dims))):  # fmt: skip
                 return None
             return NativeCall(
                 address,
@@ -329,6 +333,16 @@ def _stem_of(graph: Graph, node: Node) -> tuple[Any, Node]:
         attrs.update(activation=a["activation"], activation_attrs=a.get("activation_attrs", ()))
     conv = Node(node.name, "conv2d", (x, w1, b1), (f"{node.name}.stem",), attrs)
     return _Values(graph, {conv.outputs[0]: mid}), conv
+
+
+def stem_dw_extra_bytes(graph: Graph, node: Node) -> int:
+    """What a fused stem holds: the packed stem weight (as :func:`pack_weight` pads it),
+    the packed depthwise weight and both biases, padded to 16 lanes."""
+    values, conv = _stem_of(graph, node)
+    geo = _geometry(values, conv)  # type: ignore[arg-type]
+    kp = _pad(geo["K"], VB)
+    taps = geo["KH"] * geo["KW"] * geo["CG"]
+    return 4 * (taps * _pad(geo["KG"], _blocking(geo)[0]) + 9 * kp + 2 * kp)
 
 
 def render_stem_dw(
@@ -421,27 +435,20 @@ def stem_dw_kernel(graph: Graph, node: Node, options: Options, hardware: Hardwar
             raise MemoryError(f"{node.name}: the fused stem kernel could not allocate its rows")
 
     def stem_dw(x, *_params):
-        x = x if x.is_contiguous(memory_format=x_fmt) else x.contiguous(memory_format=x_fmt)
         y = torch.empty((x.shape[0], *out_dims[1:]), dtype=torch.float32, memory_format=cl)
-        call(x, y)
+        call(_dense(x, x_fmt), y)
         return y
 
     def stem_dw_out(x, *rest):
         """Destination form: ``rest`` ends with the dense channels_last output."""
         y = rest[-1]
-        if tuple(y.shape) != (x.shape[0], *out_dims[1:]) or not y.is_contiguous(memory_format=cl):
+        if not _laid_out(y, cl, (x.shape[0], *out_dims[1:])):
             raise ValueError(f"{node.name}: the fused stem kernel writes a dense output")
-        x = x if x.is_contiguous(memory_format=x_fmt) else x.contiguous(memory_format=x_fmt)
-        call(x, y)
+        call(_dense(x, x_fmt), y)
 
     def stem_dw_native(x, *rest):
         y = rest[-1]
-        if not (
-            tuple(x.shape) == x_dims
-            and x.is_contiguous(memory_format=x_fmt)
-            and tuple(y.shape) == out_dims
-            and y.is_contiguous(memory_format=cl)
-        ):
+        if not (_laid_out(x, x_fmt, x_dims) and _laid_out(y, cl, out_dims)):
             return None
         return NativeCall(address, (x, *ptrs, y, x_dims[0]), True, keep=held)
 

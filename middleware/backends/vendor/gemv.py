@@ -28,6 +28,7 @@ from ...options import Options
 from ..interface import NativeCall, native_address
 from ..x86.render import environment
 from .calls import activation_attrs, holds_constants
+from .direct import PARALLEL_WORK  # (the multiply-adds OpenMP's fork costs)
 from .generated import activation_c, activation_why_not, load_kernel
 
 Kernel = Callable[..., Any]
@@ -37,7 +38,6 @@ STREAM_ROWS = 4  # up to here the streaming GEMV (gemv.c.j2), above it the block
 NB = 4  # rows per pass over the weight
 U = 4  # 16-lane accumulators per row
 OB, RB = 4, 4  # the blocked product's weight rows x input rows (16 sums) per block
-PARALLEL_WORK = 1 << 15  # multiply-adds below which one thread runs it (OpenMP's fork)
 
 
 def rows_of(graph: Graph, node: Node) -> int:
