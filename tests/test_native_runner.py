@@ -428,3 +428,44 @@ def test_a_skipped_computation_fails_the_check() -> None:
     assert plan.native is None
     assert "differed" in _native_note(om)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_the_call_shortcut_keeps_hooks_modes_and_weights() -> None:
+    """``OptimizedModule.__call__``'s shortcut to the native program (a repeated inference
+    call) steps aside for everything ``nn.Module``'s call or ``forward`` would honour:
+    hooks on the module and global ones, training mode, changed weights, other inputs."""
+    m, x = _mobile()
+    om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    with torch.no_grad():
+        om(x)
+        assert om.plan.native is not None and om._repeat.native is not None
+        ref = m(x)
+        scale = float(ref.abs().max())
+
+        def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+            return torch.allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
+
+        assert close(om(x), ref)
+        pre = om.register_forward_pre_hook(lambda mod, args: (args[0] * 2.0,))
+        post = om.register_forward_hook(lambda mod, args, out: out + 1.0)
+        assert close(om(x), m(x * 2.0) + 1.0)
+        pre.remove()
+        post.remove()
+        seen: list[int] = []
+        glob = nn.modules.module.register_module_forward_hook(
+            lambda mod, args, out: seen.append(1) if mod is om else None
+        )
+        try:
+            om(x)
+        finally:
+            glob.remove()
+        assert seen == [1]
+        assert close(om(x), ref)
+        m.head.bias.add_(1.0)  # an in-place weight update: new plans
+        assert close(om(x), m(x))
+        x2 = torch.randn(2, 3, 32, 32)  # another input kind
+        assert torch.allclose(om(x2), m(x2), rtol=1e-5, atol=1e-5 * float(m(x2).abs().max()))
+    om.train()
+    y = om(x)  # training mode: batch statistics, autograd
+    assert y.requires_grad
+    torch.testing.assert_close(y, m(x), rtol=1e-4, atol=1e-4 * float(m(x).abs().max()))

@@ -150,3 +150,23 @@ def test_outputs_take_the_calls_inference_mode(first: str) -> None:
             if mode == "plain":
                 (y * w).sum().backward()  # an inference tensor refuses this
             del y
+
+
+def test_one_buffer_serves_calls_in_inference_mode_after_one_outside() -> None:
+    """The usual order (example inputs or a first call outside ``torch.inference_mode()``,
+    then calls inside it): the buffer of the other mode is replaced, not joined, and the
+    later calls reuse one buffer, handed out as inference tensors."""
+    model, xs = _model_and_inputs("nhwc")
+    opt = middleware.optimize(model, example_inputs=xs)
+    opt(*xs)
+    ptrs = set()
+    with torch.inference_mode():
+        want = model(*xs)
+        for _ in range(4):
+            y = opt(*xs)
+            assert y.is_inference()
+            torch.testing.assert_close(y, want)
+            ptrs.add(y.data_ptr())
+            del y
+    (rec,) = opt.plan.recycled
+    assert len(rec.buffers()) == 1 and len(ptrs) == 1

@@ -238,39 +238,43 @@ class Recycled:
         """The buffers kept (each also in the hands of the user or free for the next call)."""
         return [held[0] for held, _ in self.kept]
 
-    def _state(self, held: tuple[torch.Tensor, Any, int]) -> tuple[int, bool, int, int]:
-        """Where the buffer is, whether it is shared memory, and who holds its storage (the
-        storage object's references here: ``held``, this frame and getrefcount's own)."""
+    def _state(self, held: tuple[torch.Tensor, Any, int]) -> tuple[int, int, int]:
+        """Where the buffer is and who holds its storage (the storage object's references
+        here: ``held``, this frame and getrefcount's own). Moving the storage to shared
+        memory (``share_memory_()``) or resizing it moves its data: the address tells."""
         st = held[1]
-        return st.data_ptr(), st.is_shared(), self._use_count(held[2]), sys.getrefcount(st)  # type: ignore[misc]
+        return st.data_ptr(), self._use_count(held[2]), sys.getrefcount(st)  # type: ignore[misc]
 
     def take(self) -> torch.Tensor:
         """A tensor of the output's type over memory nothing outside the plan holds: a new
-        tensor object over the kept buffer's storage (``detach``: no autograd link, not a
-        view; a third of ``torch.empty(0).set_()``'s cost on a cold cache)."""
-        for held, free in self.kept:
-            if self._state(held) == free:
-                return self._hand_out(held[0])
+        tensor object over a kept buffer's storage (``detach``: no autograd link, not a
+        view; a third of ``torch.empty(0).set_()``'s cost on a cold cache). ``detach``
+        keeps the buffer's inference mode, so a free buffer made in the call's mode serves
+        (an output is an inference tensor exactly when eager's would be); a free one of
+        the other mode is replaced by a new one of this mode (the first call under
+        ``torch.inference_mode()`` after one outside it: one buffer, not one a mode)."""
+        mode = _inference_mode()
+        use_count = self._use_count
+        spare = -1
+        for i, (held, free) in enumerate(self.kept):
+            st = held[1]  # _state, inlined: one local reference to the storage, as there
+            if (st.data_ptr(), use_count(held[2]), sys.getrefcount(st)) == free:  # type: ignore[misc]
+                if held[0].is_inference() == mode:
+                    return held[0].detach()
+                spare = i
         mine = self.allocate(self.type)  # never handed out: only shares its storage
         st = mine.untyped_storage()
         held = (mine, st, st._cdata)
         del st  # the storage object's references must be those _state counts in the loop
         entry = (held, self._state(held))  # measured while nobody else can hold it
-        if len(self.kept) < self.KEEP:
+        if spare >= 0:
+            self.kept[spare] = entry
+        elif len(self.kept) < self.KEEP:
             self.kept.append(entry)
         else:
             self.kept[self.next] = entry
             self.next = (self.next + 1) % self.KEEP
-        return self._hand_out(mine)
-
-    @staticmethod
-    def _hand_out(kept: torch.Tensor) -> torch.Tensor:
-        """A new tensor over ``kept``'s storage: ``detach()`` keeps the buffer's inference
-        mode, so where the call's differs (a buffer made under ``torch.inference_mode()``,
-        a call outside it) the tensor is made in the call's mode, as eager's output is."""
-        if kept.is_inference() == _inference_mode():
-            return kept.detach()
-        return torch.empty(0, dtype=kept.dtype, device=kept.device).set_(kept)
+        return mine.detach()
 
 
 _inference_mode = torch.is_inference_mode_enabled
