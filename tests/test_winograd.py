@@ -332,11 +332,13 @@ def test_vendor_algorithms_default_is_winograd_by_rule_then_the_direct_call(monk
     "shape,cout,intel,amd",
     [
         ((16, 256, 28, 28), 512, True, True),  # vgg16's 256->512 @28: Winograd on both
-        ((4, 128, 112, 112), 128, True, True),  # >= 128 channels over >= 50176 pixels
-        ((16, 64, 56, 56), 64, True, False),  # resnet18's 64 @56: oneDNN on AMD
-        ((16, 128, 28, 28), 128, True, False),  # resnet18's 128 @28
-        ((16, 512, 14, 14), 512, True, False),  # 3136 pixels
-        ((1, 512, 14, 14), 512, False, False),  # 196 pixels: neither
+        ((4, 128, 112, 112), 128, True, True),
+        ((16, 64, 56, 56), 64, True, True),  # resnet18's 64 @56
+        ((16, 512, 14, 14), 512, True, True),  # 3136 pixels
+        ((1, 512, 14, 14), 512, False, True),  # 196 pixels: >= 196 with >= 64 channels on AMD
+        ((1, 512, 7, 7), 512, False, False),  # 49 pixels (4 tiles): neither
+        ((16, 128, 28, 28), 32, False, True),  # densenet's 128->32: >= 8192 pixels on AMD
+        ((16, 128, 14, 14), 32, False, False),  # 3136 pixels of 32 channels: neither
     ],
 )
 def test_the_rule_looks_at_the_cpu(monkeypatch, shape, cout, intel, amd) -> None:
@@ -352,3 +354,55 @@ def test_the_rule_looks_at_the_cpu(monkeypatch, shape, cout, intel, amd) -> None
         if why is not None and vendor != "GenuineIntel" and intel:
             assert "on AMD the rule wants" in why
     assert (wg.why_not(g, node) is None) == intel
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_onednn_product_matches_bmm_over_random_sizes(seed, tmp_path):
+    """``onednn.BatchedMatmul`` (the product of the transforms on oneDNN's matmul, U
+    packed once) against ``torch.bmm``, at several row counts of one weight, and its
+    unpacked weight (``plain``) equal to the one given."""
+    from middleware.backends.vendor import onednn
+
+    opts = Options(cache_dir=tmp_path)
+    if onednn.unavailable(opts) is not None:
+        pytest.skip(onednn.unavailable(opts))
+    g = torch.Generator().manual_seed(seed)
+    b = int(torch.randint(1, 40, (1,), generator=g))
+    k, n = (int(v) * 16 for v in torch.randint(1, 9, (2,), generator=g))
+    rows = sorted({int(v) for v in torch.randint(1, 300, (3,), generator=g)})
+    w = torch.randn(b, k, n, generator=g)
+    mm = onednn.batched_matmul(w, rows, opts)
+    assert mm is not None
+    for m in rows:
+        x = torch.randn(b, m, k, generator=g)
+        y = torch.full((b, m, n), float("nan"))
+        mm.run(m, x.data_ptr(), y.data_ptr())
+        _close(y, torch.bmm(x, w), 1e-5)
+    assert torch.equal(mm.plain(), w)
+    mm.close()
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_chunks_the_destination_form_and_both_products(residual, tmp_path, monkeypatch):
+    """Tiles in several chunks (the last one shorter: a product of another row count),
+    the result written into the caller's buffer (the destination form), and the oneDNN
+    product against ``torch.bmm``'s (``onednn_primitives=False``)."""
+    monkeypatch.setattr(wg, "WORKSPACE_BYTES", 1)
+    monkeypatch.setattr(wg, "MIN_CHUNK_TILES", 7)  # 2 x 5 x 4 = 40 tiles: 7 x 5 + 5
+    g, node = conv_graph(
+        (2, 64, 19, 13), (80, 64, 3, 3), "nhwc", padding=1, activation="relu", residual=residual
+    )
+    args = _inputs(g)
+    ref = get_op("conv2d").bind(node)(*args)
+    on = _kernel(g, node, tmp_path)
+    off = _kernel(g, node, tmp_path, onednn_primitives=False)
+    from middleware.backends.vendor import onednn
+
+    if onednn.unavailable(Options(cache_dir=tmp_path)) is None:
+        assert getattr(on, "product", "") == "oneDNN matmul"
+    assert not hasattr(off, "product")
+    for fn in (on, off):
+        y = torch.full(ref.shape, float("nan")).contiguous(memory_format=CL)
+        fn.out(*args, y)
+        _close(y, ref)
+        _close(fn(*args), ref)

@@ -161,7 +161,8 @@ _API = (
     "dnnl_convolution_forward_primitive_desc_create dnnl_primitive_desc_query_md "
     "dnnl_primitive_desc_query "
     "dnnl_primitive_desc_destroy dnnl_primitive_create dnnl_primitive_destroy "
-    "dnnl_primitive_execute dnnl_reorder_primitive_desc_create dnnl_stream_wait dnnl_version"
+    "dnnl_primitive_execute dnnl_reorder_primitive_desc_create dnnl_stream_wait "
+    "dnnl_matmul_primitive_desc_create dnnl_version"
 ).split()  # the order of API() in onednn_conv.c.j2
 
 
@@ -247,6 +248,12 @@ class _Library:
         self.dw_prepare = lib.mw_conv_dw_prepare
         self.dw_prepare.restype = ctypes.c_int
         self.dw_prepare.argtypes = [ctypes.c_void_p] * 7
+        self.matmul_create = lib.mw_matmul_create
+        self.matmul_create.restype = ctypes.c_void_p
+        self.matmul_create.argtypes = [ctypes.POINTER(ctypes.c_long), ctypes.c_char_p, ctypes.c_int]
+        self.unpack = lib.mw_conv_unpack
+        self.unpack.restype = ctypes.c_int
+        self.unpack.argtypes = [ctypes.c_void_p] * 3
 
 
 _lock = threading.Lock()
@@ -597,12 +604,16 @@ class _Primitives:
                 self.handles[key] = self._build(kind, strides) if ok else None
             return self.handles[key]
 
-    def _build(self, kind: int, strides: tuple[int, ...]) -> int | None:
-        lib = self.lib
+    def _create(self, kind: int, strides: tuple[int, ...]) -> int | None:
+        """A new primitive of this node for ``kind`` and source ``strides`` (None: refused)."""
         g = (ctypes.c_long * 25)(*self.geometry, *strides)
         elt, alpha, beta = self.eltwise
         err = ctypes.create_string_buffer(256)
-        h = lib.create(g, elt.encode(), alpha, beta, kind, err, 256)
+        return self.lib.create(g, elt.encode(), alpha, beta, kind, err, 256)
+
+    def _build(self, kind: int, strides: tuple[int, ...]) -> int | None:
+        lib = self.lib
+        h = self._create(kind, strides)
         if not h:
             return None
         if lib.impl(h).decode().startswith("ref"):
@@ -642,6 +653,65 @@ class _Primitives:
                     self.lib.destroy(h)
             self.handles.clear()
             self._first = None
+
+
+class BatchedMatmul(_Primitives):
+    """``dst[b] = src[b] @ W[b]`` for a constant ``W`` (B x K x N, float32) as oneDNN matmul
+    primitives (brgemm kernels: 2.2x MKL's ``torch.bmm`` on the AMD EPYC host, whose MKL
+    takes its AVX2 path there). One primitive per row count ``M`` (a ``get`` key of kind 0
+    and strides ``(M,)``) and thread count, built on first use; ``W`` packed once, by the
+    first, then let go (``plain()`` reorders it back where a caller needs it)."""
+
+    def __init__(self, lib: _Library, weight: torch.Tensor) -> None:
+        super().__init__(lib, [], ("", 0.0, 0.0), weight.contiguous(), None)
+        self.dims = tuple(int(d) for d in weight.shape)
+
+    def _create(self, kind: int, strides: tuple[int, ...]) -> int | None:
+        b, k, n = self.dims
+        g = (ctypes.c_long * 4)(b, strides[0], k, n)
+        err = ctypes.create_string_buffer(256)
+        return self.lib.matmul_create(g, err, 256)
+
+    def rows(self, m: int) -> int:
+        """The primitive for ``m`` rows (built now at another thread count); raises where
+        oneDNN refuses a size it accepted at plan time."""
+        return self.dense(0, (m,))
+
+    def run(self, m: int, src: int, dst: int) -> None:
+        """One product of ``m`` rows: ``src`` (B x m x K) and ``dst`` (B x m x N) addresses."""
+        h = self.rows(m)
+        with self.busy:
+            if self.lib.run(h, src, dst, None, scratch(self.scratch_bytes)):
+                raise RuntimeError("the oneDNN matmul failed")
+
+    def plain(self) -> torch.Tensor:
+        """``W`` as given (B x K x N), reordered back from the packed copy."""
+        first = self._first
+        assert first is not None, "no primitive was built"
+        out = torch.empty(self.dims, dtype=torch.float32)
+        if self.lib.unpack(first[0], first[1].data_ptr(), out.data_ptr()):
+            raise RuntimeError("unpacking the oneDNN matmul weight failed")
+        return out
+
+
+def batched_matmul(
+    weight: torch.Tensor, rows: Sequence[int], options: Options
+) -> BatchedMatmul | None:
+    """oneDNN matmul primitives for ``weight`` (B x K x N) at each row count of ``rows``
+    (built and the weight packed now), or None where oneDNN cannot be called directly or
+    has only its reference loops for them (the caller keeps ``torch.bmm``)."""
+    if options.onednn_primitives is False:
+        return None
+    lib = _library(options.cache_dir)
+    if isinstance(lib, str):
+        return None
+    mm = BatchedMatmul(lib, weight)
+    for m in dict.fromkeys(rows):
+        if mm.get(0, (int(m),), limit=False) is None:
+            mm.close()
+            return None
+    mm.weight = None  # packed: the plain weight is let go
+    return mm
 
 
 _threads = threading.local()

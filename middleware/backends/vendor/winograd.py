@@ -10,7 +10,9 @@ Algorithms for Convolutional Neural Networks", 2016):
 - the weight transform ``U = G g G^T`` runs once, at optimize time: ``U[36][C][K]``;
 - ``<name>_in`` (generated OpenMP C, SIMD over channels) writes ``V[36][T][C]``, the input
   transform of a chunk of T tiles (zero padding handled at the borders);
-- ``torch.bmm`` (the framework's GEMM: oneDNN/MKL) computes ``M[36][T][K] = V @ U``;
+- a oneDNN matmul primitive (PyTorch's oneDNN through its C API, ``onednn.BatchedMatmul``:
+  U packed once; ``torch.bmm`` where the primitive cannot be built) computes
+  ``M[36][T][K] = V @ U``;
 - ``<name>_out`` (generated) computes ``A^T M A`` with the convolution's fused epilogue
   (bias, residual add, activation) and writes the NHWC output, clipped at the borders.
 
@@ -31,6 +33,8 @@ import dataclasses
 import hashlib
 import threading
 import warnings
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +52,7 @@ from ..x86.build import c_build_request, load_shared
 from ..x86.cfuncs import c_expr
 from ..x86.compile import build_c
 from ..x86.render import environment
+from . import onednn
 from .calls import _conv_geometry, activation_attrs, holds_constants
 
 # When a convolution runs as Winograd (else oneDNN's direct call). Measured on the 2-core
@@ -66,15 +71,18 @@ CHANNEL_MULTIPLE = 16  # the transforms' SIMD block (one AVX-512 register)
 # parameters (the original 45) and ran in 182 ms; without them, 72 MiB and 237 ms.
 MIN_PIXELS = 2048
 # The rule on AMD: (min channels, min output pixels) pairs, any of which admits a layer.
-# Measured on the AMD EPYC (Zen 5) host against oneDNN's primitives, batch 16, two
-# threads (bench/algorithms.py --net-layers, session 13; the constants above came from
-# the Intel host, against the older per-call oneDNN path): Winograd F(4x4) won on vgg16's
-# 128->128 @112 (1%), 128->256 @56 (6%), 256->256 @56 (13%), 256->512 and 512->512 @28
-# (13-17%), and lost on 64->64 @224 (21%), 64->128 @112 (6%), 512->512 @14 (10%) and every
-# 3x3 layer of resnet18 (64 @56 11%, 128 @28 5%, 256 @14 17%, 512 @7 7%); in whole
-# networks the Intel rule cost alexnet 17% and resnet50 6% there. Empty: the rule above
-# everywhere (the tests of the Winograd arithmetic through the default's rule).
-AMD_RULE: tuple[tuple[int, int], ...] = ((256, 12544), (128, 50176))
+# Measured on the AMD EPYC (Zen 5) host against oneDNN's primitives, two threads, ReLU
+# epilogue, single layers through optimize() (session 20, after the product moved from
+# torch.bmm to oneDNN matmul primitives: MKL's sgemm takes its AVX2 path on AMD, 210
+# GFLOP/s against oneDNN's 475): batch 16: 64->64 @224 1.37x, @56 1.37x, 128->128 @112
+# 1.41x, @28 1.86x, 256->256 @56 1.92x, @14 1.76x, 512->512 @28 2.53x, @14 1.89x, @7
+# 1.73x, 64->192 @56 1.68x, 96->128 @28 1.92x, 160->320 @7 1.58x, 128->32 @28 1.36x, but
+# 128->32 @14 0.92x; batch 1: 64->64 @56 2.25x, 128->128 @28 2.42x, 256->256 @14 1.74x,
+# 128->128 @14 1.51x, 64->64 @28 1.02x, but 512->512 @7 (4 tiles) 0.77x, 160->320 @7
+# 1.05x, 128->32 @14 0.73x and @28 0.82x. (With torch.bmm, session 13, it lost on every
+# 3x3 layer of resnet18 and won only on vgg16's widest.) Empty: the rule below everywhere
+# (the tests of the Winograd arithmetic through the default's rule).
+AMD_RULE: tuple[tuple[int, int], ...] = ((64, 196), (32, 8192))
 # Bytes of V + M per chunk of tiles, and the least tiles per chunk (smaller GEMMs lose
 # more to the re-read of U than the cache saves).
 WORKSPACE_BYTES = 8 << 20
@@ -117,9 +125,11 @@ class DirectWeight:
     meets such a tile, and kept from then on. Saves the folded weight of every Winograd
     layer (resnet50 at batch 16: 11 MiB) on inputs that hold no NaN or infinity."""
 
-    def __init__(self, weight: np.ndarray, users: bool, u: torch.Tensor, g: np.ndarray) -> None:
+    def __init__(
+        self, weight: np.ndarray, users: bool, u: Callable[[], torch.Tensor], g: np.ndarray
+    ) -> None:
         self._t = torch.from_numpy(np.ascontiguousarray(weight, np.float32)) if users else None
-        self._u, self._g = u, g
+        self._u, self._g = u, g  # u: gives U (the packed product's weight, unpacked)
         self._shape = tuple(weight.shape)
         self._lock = threading.Lock()
 
@@ -128,7 +138,7 @@ class DirectWeight:
         if self._t is None:
             with self._lock:
                 if self._t is None:
-                    self._t = recover_weight(self._u, self._g, self._shape)
+                    self._t = recover_weight(self._u(), self._g, self._shape)
         return self._t.data_ptr()
 
 
@@ -304,6 +314,20 @@ def prebuild(graph: Graph, options: Options, hardware: Hardware) -> threading.Th
     return t
 
 
+_threads = threading.local()
+
+
+def _workspace(nv: int, nm: int, nflags: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V (``nv`` floats), M (``nm``) and the tiles' flags (``nflags`` bytes) in the calling
+    thread's workspace, kept between calls and shared by every Winograd layer that thread
+    runs (one after another): a fresh 8 MiB each call cost 2000 page faults (~1 ms)."""
+    need = nv + nm + -(-nflags // 4)
+    buf = getattr(_threads, "buf", None)
+    if buf is None or buf.numel() < need:
+        buf = _threads.buf = torch.empty(need, dtype=torch.float32)
+    return buf[:nv], buf[nv : nv + nm], buf[nv + nm :].view(torch.uint8)[:nflags]
+
+
 def winograd_kernel(
     graph: Graph, node: Node, options: Options, hardware: Hardware, rule: bool = True
 ) -> Any | None:
@@ -315,7 +339,6 @@ def winograd_kernel(
     if (why_not if rule else why_not_applicable)(graph, node) is not None:
         return None
     ep = _epilogue(node)
-    residual, has_bias = ep.residual, ep.bias
     try:
         kname, src = render(ep, max(1, hardware.cores))
     except NotFusable:
@@ -344,14 +367,54 @@ def winograd_kernel(
     f_out.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_long, ctypes.c_int]
     f_out.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5  # flags, x, w, H, W, C, PH, PW
 
+    weight = graph.params[node.inputs[1]]
+    return transform_call(
+        graph, node, options, (f_in, f_out), weight, transform_weight(weight), _G, ep,
+        "winograd F(4x4,3x3)", (tiles_of, chunk_tiles),
+    )  # fmt: skip
+
+
+def transform_call(
+    graph: Graph,
+    node: Node,
+    options: Options,
+    transforms: tuple[Any, Any],
+    weight: np.ndarray,
+    u: torch.Tensor,
+    g: np.ndarray,
+    ep: _Epilogue,
+    algorithm: str,
+    tiling: tuple[Callable[[int, int, int], int], Callable[[int, int, int], int]],
+) -> Any:
+    """The convolution call of a Winograd algorithm (F(4x4) here, F(2x2) in winograd_f2):
+    per chunk of tiles, the generated input transform (``transforms[0]``) into V, the
+    product ``M = V @ U`` (U: ``u``, positions x C x K, ``weight``'s transform by ``g``),
+    the generated output transform with the epilogue ``ep`` (``transforms[1]``). The
+    product runs as oneDNN matmul primitives where they can be built (U packed into them
+    and let go), else as ``torch.bmm``. ``tiling``: (tiles_of, chunk_tiles) of the
+    algorithm. Offers the destination form and, with a residual, ``into_residual``."""
+    f_in, f_out = transforms
+    tiles_of_, chunk_tiles_ = tiling
+    pos = int(u.shape[0])
+    residual, has_bias = ep.residual, ep.bias
     x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
     c, h, w = x_t.shape[1], x_t.shape[2], x_t.shape[3]
     k, oh, ow = out_t.shape[1], out_t.shape[2], out_t.shape[3]
     (ph, pw), _, _, _ = _conv_geometry(node)
-    weight = graph.params[node.inputs[1]]
-    u = transform_weight(weight)
+    tiles_full = tiles_of_(out_t.shape[0], oh, ow)
+    chunk_full = chunk_tiles_(c, k, tiles_full)
+    # the product as oneDNN matmul primitives (the full chunk's rows and the last chunk's),
+    # U packed into them; else torch.bmm on U as it is
+    mm = onednn.batched_matmul(
+        u, [chunk_full, tiles_full - (tiles_full - 1) // chunk_full * chunk_full], options
+    )
+    if mm is not None:
+        u = None
+        u_source = mm.plain
+    else:
+        u_source = (lambda u: lambda: u)(u)
     # the direct weights too, for tiles whose input holds a NaN or an infinity
-    direct = DirectWeight(weight, user_weight(graph, node.inputs[1]), u, _G)
+    direct = DirectWeight(weight, user_weight(graph, node.inputs[1]), u_source, g)
     del weight
     bias = (
         torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[2]], dtype=np.float32))
@@ -363,23 +426,27 @@ def winograd_kernel(
 
     def workspace(n: int) -> int:
         """Bytes of V + M for a call at batch ``n`` (the plan counts them as temporaries)."""
-        return 36 * 4 * (c + k) * chunk_tiles(c, k, tiles_of(n, oh, ow))
+        return pos * 4 * (c + k) * chunk_tiles_(c, k, tiles_of_(n, oh, ow))
 
     def run(x: torch.Tensor, res: torch.Tensor | None, y: torch.Tensor) -> None:
-        tiles = tiles_of(x.shape[0], oh, ow)
-        chunk = chunk_tiles(c, k, tiles)
-        v_buf = torch.empty(36 * chunk * c, dtype=torch.float32)
-        m_buf = torch.empty(36 * chunk * k, dtype=torch.float32)
-        flags = torch.empty(chunk, dtype=torch.uint8)
+        tiles = tiles_of_(x.shape[0], oh, ow)
+        chunk = chunk_tiles_(c, k, tiles)
+        v_buf, m_buf, flags = _workspace(pos * chunk * c, pos * chunk * k, chunk)
         res_ptr = res.data_ptr() if res is not None else None
         xp, fp = x.data_ptr(), flags.data_ptr()
         for t0 in range(0, tiles, chunk):
             t = min(chunk, tiles - t0)
             f_in(xp, v_buf.data_ptr(), h, w, c, ph, pw, t0, t, fp)
             wp = direct.ptr() if bool(flags[:t].any()) else None  # read for flagged tiles only
-            mm = m_buf[: 36 * t * k].view(36, t, k)
-            torch.bmm(v_buf[: 36 * t * c].view(36, t, c), u, out=mm)
-            f_out(mm.data_ptr(), bias_ptr, res_ptr, y.data_ptr(), oh, ow, k, t0, t,
+            if mm is not None:
+                mm.run(t, v_buf.data_ptr(), m_buf.data_ptr())
+            else:
+                torch.bmm(
+                    v_buf[: pos * t * c].view(pos, t, c),
+                    u,
+                    out=m_buf[: pos * t * k].view(pos, t, k),
+                )
+            f_out(m_buf.data_ptr(), bias_ptr, res_ptr, y.data_ptr(), oh, ow, k, t0, t,
                   fp, xp, wp, h, w, c, ph, pw)  # fmt: skip
 
     def dense(t: torch.Tensor) -> torch.Tensor:
@@ -391,11 +458,30 @@ def winograd_kernel(
         run(x, dense(rest[-1]) if residual else None, y)
         return y
 
-    conv_winograd.algorithm = "winograd F(4x4,3x3)"  # type: ignore[attr-defined]
+    shape = (out_t.shape[0], k, oh, ow)
+
+    def conv_winograd_out(x, _w, *rest):
+        """Destination form: ``rest`` ends with the dense channels_last output to write (the
+        plan's memory: no fresh output, and no page faults, per call)."""
+        y = rest[-1]
+        if tuple(y.shape) != shape or not y.is_contiguous(memory_format=cl):
+            raise ValueError(
+                f"{node.name}: Winograd writes a dense channels_last {shape} output, got "
+                f"{tuple(y.shape)} strided {y.stride()}"
+            )
+        run(dense(x), dense(rest[-2]) if residual else None, y)
+
+    conv_winograd_out.dense_only = True  # type: ignore[attr-defined]
+    conv_winograd.out = conv_winograd_out  # type: ignore[attr-defined]
+    conv_winograd.algorithm = algorithm  # type: ignore[attr-defined]
     conv_winograd.workspace_bytes = workspace  # type: ignore[attr-defined]
     # the tensors behind the raw pointers the C calls get: alive as long as the call (the
     # graph drops its arrays once the plan is built: pipeline.release_held_params)
-    conv_winograd.keep = (u, direct, bias)  # type: ignore[attr-defined]
+    conv_winograd.keep = [u, direct, bias, mm, *(mm.tensors if mm is not None else ())]  # type: ignore[attr-defined]
+    if mm is not None:
+        conv_winograd.product = "oneDNN matmul"  # type: ignore[attr-defined]
+        # not at interpreter exit: a daemon thread may still be inside a call then
+        weakref.finalize(conv_winograd, mm.close).atexit = False
     if residual:
 
         def conv_winograd_into_residual(x, _w, *rest):

@@ -16,7 +16,8 @@ error bound below, measured).
 - ``<name>_in`` (C generated from ``BT``: each row becomes one linear combination, SIMD
   over channels) writes ``V[16][T][C]`` for a chunk of T tiles, zero padded at the borders
   and flagging tiles whose patch holds a NaN or an infinity;
-- ``torch.bmm``: ``M[16][T][K] = V @ U``;
+- the product ``M[16][T][K] = V @ U`` as in winograd.py (oneDNN matmul primitives, else
+  ``torch.bmm``; ``winograd.transform_call`` runs the chunks);
 - ``<name>_out`` (generated from ``AT``) computes ``A^T M A`` with the fused epilogue (bias,
   residual, activation), writes the NHWC output clipped at the borders, and computes the
   flagged tiles directly (NaN and infinities reach what PyTorch's do).
@@ -46,7 +47,6 @@ from ..x86.build import load_shared
 from ..x86.cfuncs import SCALAR_HELPERS, c_expr, c_float
 from ..x86.compile import build_c
 from . import winograd as wg
-from .calls import _conv_geometry, holds_constants
 
 M_TILE = 2  # output tile
 R = 3  # kernel
@@ -320,64 +320,8 @@ def kernel(graph: Graph, node: Node, options: Options, hardware: Hardware) -> An
     f_out.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_long, ctypes.c_int]
     f_out.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
 
-    x_t, out_t = graph.values[node.inputs[0]], graph.values[node.outputs[0]]
-    c, h, w = x_t.shape[1], x_t.shape[2], x_t.shape[3]
-    k, oh, ow = out_t.shape[1], out_t.shape[2], out_t.shape[3]
-    (ph, pw), _, _, _ = _conv_geometry(node)
     weight = graph.params[node.inputs[1]]
-    u = transform_weight(weight)
-    direct = wg.DirectWeight(weight, wg.user_weight(graph, node.inputs[1]), u, G)
-    del weight
-    bias = (
-        torch.from_numpy(np.ascontiguousarray(graph.params[node.inputs[2]], dtype=np.float32))
-        if ep.bias
-        else None
-    )
-    bias_ptr = bias.data_ptr() if bias is not None else None
-    cl = torch.channels_last
-    pos = ALPHA * ALPHA
-
-    def workspace(n: int) -> int:
-        return pos * 4 * (c + k) * chunk_tiles(c, k, tiles_of(n, oh, ow))
-
-    def run(x: torch.Tensor, res: torch.Tensor | None, y: torch.Tensor) -> None:
-        tiles = tiles_of(x.shape[0], oh, ow)
-        chunk = chunk_tiles(c, k, tiles)
-        v_buf = torch.empty(pos * chunk * c, dtype=torch.float32)
-        m_buf = torch.empty(pos * chunk * k, dtype=torch.float32)
-        flags = torch.empty(chunk, dtype=torch.uint8)
-        res_ptr = res.data_ptr() if res is not None else None
-        xp, fp = x.data_ptr(), flags.data_ptr()
-        for t0 in range(0, tiles, chunk):
-            t = min(chunk, tiles - t0)
-            f_in(xp, v_buf.data_ptr(), h, w, c, ph, pw, t0, t, fp)
-            wp = direct.ptr() if bool(flags[:t].any()) else None  # read for flagged tiles only
-            mm = m_buf[: pos * t * k].view(pos, t, k)
-            torch.bmm(v_buf[: pos * t * c].view(pos, t, c), u, out=mm)
-            f_out(mm.data_ptr(), bias_ptr, res_ptr, y.data_ptr(), oh, ow, k, t0, t,
-                  fp, xp, wp, h, w, c, ph, pw)  # fmt: skip
-
-    def dense(t: torch.Tensor) -> torch.Tensor:
-        return t if t.is_contiguous(memory_format=cl) else t.contiguous(memory_format=cl)
-
-    def conv_winograd_f2(x, _w, *rest):
-        x = dense(x)
-        y = torch.empty((x.shape[0], k, oh, ow), dtype=torch.float32, memory_format=cl)
-        run(x, dense(rest[-1]) if ep.residual else None, y)
-        return y
-
-    conv_winograd_f2.algorithm = "winograd F(2x2,3x3)"  # type: ignore[attr-defined]
-    conv_winograd_f2.workspace_bytes = workspace  # type: ignore[attr-defined]
-    # the tensors behind the raw pointers the C calls get (see winograd.py)
-    conv_winograd_f2.keep = (u, direct, bias)  # type: ignore[attr-defined]
-    if ep.residual:
-
-        def conv_winograd_f2_into_residual(x, _w, *rest):
-            r = rest[-1]  # each element read, then written, by one thread
-            if not r.is_contiguous(memory_format=cl):
-                return conv_winograd_f2(x, _w, *rest)
-            run(dense(x), r, r)
-            return r
-
-        conv_winograd_f2.into_residual = conv_winograd_f2_into_residual  # type: ignore[attr-defined]
-    return holds_constants(conv_winograd_f2, node)
+    return wg.transform_call(
+        graph, node, options, (f_in, f_out), weight, transform_weight(weight), G, ep,
+        "winograd F(2x2,3x3)", (tiles_of, chunk_tiles),
+    )  # fmt: skip
