@@ -406,3 +406,52 @@ def test_chunks_the_destination_form_and_both_products(residual, tmp_path, monke
         fn.out(*args, y)
         _close(y, ref)
         _close(fn(*args), ref)
+
+
+class _ResBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.b = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.b(torch.relu(self.bn(self.a(x)))) + x)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_winograd_layers_run_in_the_native_runner(batch, tmp_path, monkeypatch):
+    """A plan with Winograd layers (one with the residual added in place) runs as one C
+    call (the chunk loop's native form, winograd_driver.c.j2): bit for bit the Python steps'
+    output, and PyTorch's within tolerance, also on an input holding a NaN (its tiles
+    computed directly)."""
+    from fusion_helpers import reinit
+
+    from middleware.backends.vendor import onednn
+
+    if onednn.unavailable(Options(cache_dir=tmp_path)) is not None:
+        pytest.skip("the native form runs the oneDNN product")
+    monkeypatch.setattr(wg, "WORKSPACE_BYTES", 1)
+    monkeypatch.setattr(wg, "MIN_CHUNK_TILES", 7)  # 30 tiles an image: chunks of 7, then less
+    torch.manual_seed(0)
+    m = reinit(nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), _ResBlock(64), _ResBlock(64)), 0)
+    m = m.eval()
+    x = torch.randn(batch, 3, 21, 18)
+    kw = dict(example_inputs=(x,), measure_hardware=False, cache_dir=tmp_path)
+    on = middleware.optimize(m, **kw)
+    off = middleware.optimize(m, native_runner=False, **kw)
+    algs = [r.algorithm for r in on.report().rows if r.op == "conv2d"]
+    assert algs.count("winograd_f4x4") == 4, algs
+    bad = x.clone()
+    bad[0, 1, 7, 5] = float("nan")
+    with torch.no_grad():
+        for inp in (x, bad):
+            on(inp)
+            got = on(inp)
+            assert on.plan.native is not None, on.plan.notes
+            assert torch.allclose(got, off(inp), rtol=0, atol=0, equal_nan=True)
+            ref = m(inp)
+            assert torch.equal(got.isnan(), ref.isnan())
+            fin = ~ref.isnan()
+            scale = float(ref[fin].abs().max())
+            assert float((got[fin] - ref[fin]).abs().max()) < 1e-4 * scale

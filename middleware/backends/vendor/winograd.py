@@ -48,6 +48,7 @@ from ...loops import Acc, NotFusable
 from ...ops import activation_expr
 from ...options import Options
 from ..cache import kernel_cache
+from ..interface import SCRATCH, NativeCall, Workspace, native_address
 from ..x86.build import c_build_request, load_shared
 from ..x86.cfuncs import c_expr
 from ..x86.compile import build_c
@@ -314,18 +315,54 @@ def prebuild(graph: Graph, options: Options, hardware: Hardware) -> threading.Th
     return t
 
 
-_threads = threading.local()
+def _native_form(
+    options: Options,
+    transforms: tuple[Any, Any],
+    mm: onednn.BatchedMatmul,
+    direct: DirectWeight,
+    bias: torch.Tensor | None,
+    geometry: tuple[int, ...],
+    pos: int,
+    tiling: tuple[Callable[[int, int, int], int], Callable[[int, int, int], int]],
+    residual: bool,
+) -> Callable[..., Any]:
+    """The destination form's ``native``: the whole chunk loop as one C call
+    (``x86/templates/winograd_driver.c.j2``), for the native runner. Offering it materializes
+    the direct weight (``direct.ptr()``: the C loop cannot recover it when a tile holds a
+    NaN or an infinity)."""
+    h, w, c, k, oh, ow, ph, pw = geometry
+    tiles_of_, chunk_tiles_ = tiling
 
+    def native(x: torch.Tensor, _w: Any, *rest: torch.Tensor) -> NativeCall | None:
+        y = rest[-1]
+        res = rest[-2] if residual else None
+        cl = torch.channels_last
+        if not (x.is_contiguous(memory_format=cl) and y.is_contiguous(memory_format=cl)):
+            return None
+        if res is not None and not res.is_contiguous(memory_format=cl):
+            return None
+        try:
+            src = environment().get_template("winograd_driver.c.j2").render()
+            built = build_c("winograd_driver", src, options.cache_dir)
+        except CompileError:
+            return None
+        driver = load_shared(built.binary).mw_winograd
+        tiles = tiles_of_(x.shape[0], oh, ow)
+        chunk = chunk_tiles_(c, k, tiles)
+        last = tiles - (tiles - 1) // chunk * chunk
+        f_in, f_out = transforms
+        params = (ctypes.c_long * 18)(
+            native_address(f_in), native_address(f_out), native_address(mm.lib.run),
+            mm.rows(chunk), mm.rows(last), bias.data_ptr() if bias is not None else 0,
+            direct.ptr(), h, w, c, k, oh, ow, ph, pw, pos, tiles, chunk,
+        )  # fmt: skip
+        ws = Workspace(4 * pos * chunk * (c + k) + chunk)
+        args = (ctypes.addressof(params), x, res if res is not None else 0, y, ws, SCRATCH)
+        return NativeCall(
+            native_address(driver), args, True, mm.scratch_bytes, keep=(params, driver)
+        )
 
-def _workspace(nv: int, nm: int, nflags: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """V (``nv`` floats), M (``nm``) and the tiles' flags (``nflags`` bytes) in the calling
-    thread's workspace, kept between calls and shared by every Winograd layer that thread
-    runs (one after another): a fresh 8 MiB each call cost 2000 page faults (~1 ms)."""
-    need = nv + nm + -(-nflags // 4)
-    buf = getattr(_threads, "buf", None)
-    if buf is None or buf.numel() < need:
-        buf = _threads.buf = torch.empty(need, dtype=torch.float32)
-    return buf[:nv], buf[nv : nv + nm], buf[nv + nm :].view(torch.uint8)[:nflags]
+    return native
 
 
 def winograd_kernel(
@@ -431,7 +468,11 @@ def transform_call(
     def run(x: torch.Tensor, res: torch.Tensor | None, y: torch.Tensor) -> None:
         tiles = tiles_of_(x.shape[0], oh, ow)
         chunk = chunk_tiles_(c, k, tiles)
-        v_buf, m_buf, flags = _workspace(pos * chunk * c, pos * chunk * k, chunk)
+        # framework allocations, as the plan counts them (workspace_bytes: temporaries of
+        # the call); the native form's workspace is the native program's, kept
+        v_buf = torch.empty(pos * chunk * c, dtype=torch.float32)
+        m_buf = torch.empty(pos * chunk * k, dtype=torch.float32)
+        flags = torch.empty(chunk, dtype=torch.uint8)
         res_ptr = res.data_ptr() if res is not None else None
         xp, fp = x.data_ptr(), flags.data_ptr()
         for t0 in range(0, tiles, chunk):
@@ -472,6 +513,11 @@ def transform_call(
         run(dense(x), dense(rest[-2]) if residual else None, y)
 
     conv_winograd_out.dense_only = True  # type: ignore[attr-defined]
+    if mm is not None:
+        conv_winograd_out.native = _native_form(  # type: ignore[attr-defined]
+            options, transforms, mm, direct, bias, (h, w, c, k, oh, ow, ph, pw), pos, tiling,
+            residual,
+        )  # fmt: skip
     conv_winograd.out = conv_winograd_out  # type: ignore[attr-defined]
     conv_winograd.algorithm = algorithm  # type: ignore[attr-defined]
     conv_winograd.workspace_bytes = workspace  # type: ignore[attr-defined]
@@ -492,5 +538,11 @@ def transform_call(
             run(dense(x), r, r)
             return r
 
+        native = getattr(conv_winograd_out, "native", None)
+        if native is not None:
+            # the in-place form's call: the destination form's with the residual as output
+            conv_winograd_into_residual.native = (  # type: ignore[attr-defined]
+                lambda x, _w, *rest: native(x, _w, *rest, rest[-1])
+            )
         conv_winograd.into_residual = conv_winograd_into_residual  # type: ignore[attr-defined]
     return holds_constants(conv_winograd, node)
