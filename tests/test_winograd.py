@@ -335,10 +335,11 @@ def test_vendor_algorithms_default_is_winograd_by_rule_then_the_direct_call(monk
         ((4, 128, 112, 112), 128, True, True),
         ((16, 64, 56, 56), 64, True, True),  # resnet18's 64 @56
         ((16, 512, 14, 14), 512, True, True),  # 3136 pixels
-        ((1, 512, 14, 14), 512, False, True),  # 196 pixels: >= 196 with >= 64 channels on AMD
-        ((1, 512, 7, 7), 512, False, False),  # 49 pixels (4 tiles): neither
-        ((16, 128, 28, 28), 32, False, True),  # densenet's 128->32: >= 8192 pixels on AMD
-        ((16, 128, 14, 14), 32, False, False),  # 3136 pixels of 32 channels: neither
+        ((1, 512, 14, 14), 512, False, True),  # 196 pixels: >= 196 on AMD
+        ((1, 160, 7, 7), 320, False, False),  # 49 pixels: neither
+        ((16, 128, 14, 14), 32, False, True),  # densenet's 128->32: AMD only
+        ((1, 32, 14, 14), 64, False, True),  # 32 channels over 196 pixels: AMD only
+        ((16, 16, 55, 55), 64, False, False),  # 16 input channels: neither
     ],
 )
 def test_the_rule_looks_at_the_cpu(monkeypatch, shape, cout, intel, amd) -> None:

@@ -74,16 +74,22 @@ MIN_PIXELS = 2048
 # The rule on AMD: (min channels, min output pixels) pairs, any of which admits a layer.
 # Measured on the AMD EPYC (Zen 5) host against oneDNN's primitives, two threads, ReLU
 # epilogue, single layers through optimize() (session 20, after the product moved from
-# torch.bmm to oneDNN matmul primitives: MKL's sgemm takes its AVX2 path on AMD, 210
-# GFLOP/s against oneDNN's 475): batch 16: 64->64 @224 1.37x, @56 1.37x, 128->128 @112
-# 1.41x, @28 1.86x, 256->256 @56 1.92x, @14 1.76x, 512->512 @28 2.53x, @14 1.89x, @7
-# 1.73x, 64->192 @56 1.68x, 96->128 @28 1.92x, 160->320 @7 1.58x, 128->32 @28 1.36x, but
-# 128->32 @14 0.92x; batch 1: 64->64 @56 2.25x, 128->128 @28 2.42x, 256->256 @14 1.74x,
-# 128->128 @14 1.51x, 64->64 @28 1.02x, but 512->512 @7 (4 tiles) 0.77x, 160->320 @7
-# 1.05x, 128->32 @14 0.73x and @28 0.82x. (With torch.bmm, session 13, it lost on every
-# 3x3 layer of resnet18 and won only on vgg16's widest.) Empty: the rule below everywhere
-# (the tests of the Winograd arithmetic through the default's rule).
-AMD_RULE: tuple[tuple[int, int], ...] = ((64, 196), (32, 8192))
+# torch.bmm to oneDNN matmul primitives, MKL's sgemm taking its AVX2 path on AMD at 210
+# GFLOP/s against oneDNN's 475, and the chunk loop into one C call): batch 16: 64->64 @224
+# 1.37x, @56 1.37x, 128->128 @112 1.41x, @28 1.86x, 256->256 @56 1.92x, @14 1.76x,
+# 512->512 @28 2.53x, @14 1.89x, @7 1.73x, 96->128 @28 1.92x, 160->320 @7 1.58x, 32->128
+# @27 1.43x, 48->192 @13 1.50x, 32->32 @56 1.31x, 128->32 @56 1.38x, @14 1.07x, @7 1.12x,
+# but 16->64 @55 0.84x (16 input channels: the transforms outweigh the product); batch 1:
+# 64->64 @56 2.25x, 128->128 @28 2.42x, 256->256 @14 1.74x, 128->32 @56 1.81x, @28
+# 1.76x, 32->128 @27 1.84x, 64->256 @13 1.38x, but 512->512 @7 0.80x (4 tiles: U, 36 MiB,
+# read for little work) and 128->32 @7 0.91x. Whole networks, one process, interleaved
+# against the rule before ((64, 196), (32, 8192)): densenet121 batch 16 1.10x, batch 1
+# 1.02x, googlenet 0.99x at batch 1, the others unchanged; admitting the 7x7 layers at
+# batch 1 too (160->320 @7 1.32x alone) made googlenet 3-4% slower. (With torch.bmm,
+# session 13, it lost on every 3x3 layer of resnet18 and won only on vgg16's widest.)
+# Empty: the rule below everywhere (the tests of the Winograd arithmetic through the
+# default's rule).
+AMD_RULE: tuple[tuple[int, int], ...] = ((32, 196),)
 # Bytes of V + M per chunk of tiles, and the least tiles per chunk (smaller GEMMs lose
 # more to the re-read of U than the cache saves).
 WORKSPACE_BYTES = 8 << 20
@@ -373,7 +379,8 @@ def winograd_kernel(
     or None where it does not apply, where ``rule`` is on and the measured rule says
     oneDNN's direct call is faster, or where the transforms failed to compile (warned;
     ``options.strict`` raises). ``rule=False``: a layer chosen by name (``algorithms=``)."""
-    if (why_not if rule else why_not_applicable)(graph, node) is not None:
+    why = why_not(graph, node, hardware) if rule else why_not_applicable(graph, node)
+    if why is not None:  # (the rule of hardware's kind: the default's own check)
         return None
     ep = _epilogue(node)
     try:
