@@ -281,7 +281,7 @@ def make_report(graph: Graph, plan: Any, hardware: Hardware | None = None) -> Re
     if wino:
         notes += (
             f"{len(wino)} convolution(s) run as Winograd F(4x4,3x3): generated transforms "
-            f"around the framework's batched GEMM ({', '.join(wino[:3])}"
+            f"around oneDNN's batched matmul ({', '.join(wino[:3])}"
             f"{', ...' if len(wino) > 3 else ''}); Options(winograd=False) keeps oneDNN's "
             "direct algorithm",
         )

@@ -3,7 +3,7 @@ nodes (convolutions, matrix products) instead of generated depth-first kernels.
 
 ``calls.py``: the framework's fast calls (oneDNN with prepacked weights and fused
 post-ops on CPU, cuDNN/cuBLAS on CUDA); ``winograd.py``: Winograd F(4x4,3x3) on x86
-(generated transforms around the framework's GEMM); ``winograd_f2.py``: Winograd
+(generated transforms around oneDNN's batched matmul); ``winograd_f2.py``: Winograd
 F(2x2,3x3), its transforms generated from its matrices; ``im2col.py``: im2row + GEMM;
 ``algorithms.py``: each op's algorithms as data (vendor, winograd_f4x4, im2col_gemm,
 winograd_f2x2, user ones) and the per-layer choice (:func:`choose`: a name, "default",

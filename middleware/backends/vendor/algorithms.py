@@ -11,8 +11,8 @@ conv2d, built in (``ALGORITHMS["conv2d"]``):
 
 - ``vendor``: oneDNN's choice through PyTorch, with a prepacked weight and fused post-ops
   (``calls.vendor_kernel``); the default.
-- ``winograd_f4x4``: Winograd F(4x4,3x3), generated transforms around the framework's
-  batched GEMM (``winograd.py``); approximate. The default picks it where
+- ``winograd_f4x4``: Winograd F(4x4,3x3), generated transforms around oneDNN's batched
+  matmul (``winograd.py``); approximate. The default picks it where
   ``Options.winograd`` is on and its measured rule (``winograd.why_not``) says it is
   faster; named in ``algorithms=`` it runs wherever it applies.
 - ``winograd_f2x2``: Winograd F(2x2,3x3) (``winograd_f2.py``: transforms generated from
@@ -223,7 +223,7 @@ WINOGRAD_F4X4 = Algorithm(
     # tests/test_winograd.py: about 1e-5 of the output's scale measured per layer; the
     # bound the tests hold it to
     error_bound=1e-4,
-    description="Winograd F(4x4,3x3): generated transforms around the framework's GEMM",
+    description="Winograd F(4x4,3x3): generated transforms around oneDNN's batched matmul",
 )
 IM2COL_GEMM = Algorithm(
     "im2col_gemm",

@@ -1,5 +1,5 @@
-"""Winograd F(4x4, 3x3) convolutions on x86: generated transforms around the framework's
-batched GEMM.
+"""Winograd F(4x4, 3x3) convolutions on x86: generated transforms around oneDNN's batched
+matmul (``torch.bmm`` where PyTorch's oneDNN cannot be called directly).
 
 A 3x3 stride-1 convolution computes each 4x4 output tile from a 6x6 input patch with 36
 multiplications per (input, output) channel pair instead of 144 (Lavin & Gray, "Fast
