@@ -36,10 +36,12 @@ from ...version import __version__
 ROUNDS = 5
 PRUNE_AFTER_ROUND = 2
 PRUNING_SPEEDUP = 1.5
-# How candidates are timed; part of every decision's key, so that a change of method
-# re-tunes instead of reusing decisions measured the old way ("cold-weights": each timed
-# call after :func:`cpu_context`'s eviction on the CPU).
-METHOD = "cold-weights"
+# How candidates are timed, and a revision of the built-in algorithms' implementations;
+# part of every decision's key, so that a change of either re-tunes instead of reusing
+# decisions measured the old way ("cold-weights": each timed call after
+# :func:`cpu_context`'s eviction on the CPU; "wino-onednn": Winograd's product on oneDNN
+# matmul primitives, session 20, 2.2x faster than the torch.bmm it was timed with before).
+METHOD = "cold-weights;wino-onednn"
 
 # (candidate name, a call running it once) -> seconds
 Timer = Callable[[str, Callable[[], Any]], float]
