@@ -436,6 +436,9 @@ def test_the_call_shortcut_keeps_hooks_modes_and_weights() -> None:
     hooks on the module and global ones, training mode, changed weights, other inputs."""
     m, x = _mobile()
     om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
+    forwards = []
+    real_forward = om.forward
+    om.forward = lambda *a, **k: (forwards.append(1), real_forward(*a, **k))[1]
     with torch.no_grad():
         om(x)
         assert om.plan.native is not None and om._repeat.native is not None
@@ -445,10 +448,13 @@ def test_the_call_shortcut_keeps_hooks_modes_and_weights() -> None:
         def close(a: torch.Tensor, b: torch.Tensor) -> bool:
             return torch.allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
 
-        assert close(om(x), ref)
+        forwards.clear()
+        assert close(om(x), ref) and close(om(x), ref)
+        assert forwards == []  # the shortcut ran: forward was not called
         pre = om.register_forward_pre_hook(lambda mod, args: (args[0] * 2.0,))
         post = om.register_forward_hook(lambda mod, args, out: out + 1.0)
         assert close(om(x), m(x * 2.0) + 1.0)
+        assert forwards == [1]  # hooks: nn.Module's call, through forward
         pre.remove()
         post.remove()
         seen: list[int] = []

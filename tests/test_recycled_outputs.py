@@ -170,3 +170,4 @@ def test_one_buffer_serves_calls_in_inference_mode_after_one_outside() -> None:
             del y
     (rec,) = opt.plan.recycled
     assert len(rec.buffers()) == 1 and len(ptrs) == 1
+    assert rec.buffers()[0].is_inference()  # replaced by one of the calls' mode

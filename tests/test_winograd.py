@@ -352,7 +352,7 @@ def test_the_rule_looks_at_the_cpu(monkeypatch, shape, cout, intel, amd) -> None
         hw = dataclasses.replace(hardware(), vendor=vendor)
         why = wg.why_not(g, node, hw)
         assert (why is None) == want, (vendor, why)
-        if why is not None and vendor != "GenuineIntel" and intel:
+        if why is not None and vendor != "GenuineIntel":
             assert "on AMD the rule wants" in why
     assert (wg.why_not(g, node) is None) == intel
 

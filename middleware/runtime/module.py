@@ -149,6 +149,7 @@ class OptimizedModule(nn.Module):
         if (
             repeat is not None
             and repeat.native is not None
+            and self._fallback_reason is None
             and not kwargs
             and self._compiled_call_impl is None
             and not (
@@ -179,7 +180,9 @@ class OptimizedModule(nn.Module):
                         self.__dict__["_latest"] = repeat.entry
                         return out
                     if not repeat.entry.plan.may_run_native:  # refused: no more tries
-                        self.__dict__["_repeat"] = dataclasses.replace(repeat, native=None)
+                        with self._compile_lock:  # unless another thread replaced the guard
+                            if self.__dict__.get("_repeat") is repeat:
+                                self.__dict__["_repeat"] = dataclasses.replace(repeat, native=None)
         # Bound at import, not inherited: torch.fx replaces nn.Module.__call__ for the whole
         # process while a model traces, and a call of this module from another thread
         # meanwhile would go through the tracer ("module is not installed as a submodule").

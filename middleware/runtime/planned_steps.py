@@ -201,9 +201,10 @@ class Recycled:
     Python object's reference count are checked against the values they had when nobody
     else could hold them), not moved to shared memory, not resized. Otherwise a new buffer
     is allocated, and it replaces the oldest one kept. Each call hands out a new tensor
-    object over the buffer (``detach()``, or ``set_`` where the call's inference mode is
-    not the buffer's: an output is an inference tensor exactly when eager's would be),
-    never a view.
+    object over a buffer made in the call's inference mode (``detach()`` keeps it: an
+    output is an inference tensor exactly when eager's would be), never a view; a free
+    buffer of the other mode is replaced (a caller alternating the modes call by call
+    allocates each time: a cost taken for one buffer, not one a mode, in the usual order).
 
     A plan runs its planned steps under a lock (``Plan.run``), so two threads never take
     the same buffer. At most ``KEEP`` outputs stay allocated after the user dropped them.
@@ -231,7 +232,7 @@ class Recycled:
         # ((buffer, its storage's Python object, the storage's C++ address), the state of
         # the buffer while nobody else holds it); the storage object and address are taken
         # once: the per-call check is three cheap queries, not a new storage object
-        self.kept: list[tuple[tuple[torch.Tensor, Any, int], tuple[int, bool, int, int]]] = []
+        self.kept: list[tuple[tuple[torch.Tensor, Any, int], tuple[int, int, int]]] = []
         self.next = 0  # the kept buffer a new allocation replaces
 
     def buffers(self) -> list[torch.Tensor]:

@@ -48,7 +48,7 @@ from ...loops import Acc, NotFusable
 from ...ops import activation_expr
 from ...options import Options
 from ..cache import kernel_cache
-from ..interface import SCRATCH, NativeCall, Workspace, native_address
+from ..interface import SCRATCH, NativeCall, native_address
 from ..x86.build import c_build_request, load_shared
 from ..x86.cfuncs import c_expr
 from ..x86.compile import build_c
@@ -80,7 +80,7 @@ MIN_PIXELS = 2048
 # 512->512 @28 2.53x, @14 1.89x, @7 1.73x, 96->128 @28 1.92x, 160->320 @7 1.58x, 32->128
 # @27 1.43x, 48->192 @13 1.50x, 32->32 @56 1.31x, 128->32 @56 1.38x, @14 1.07x, @7 1.12x,
 # but 16->64 @55 0.84x (16 input channels: the transforms outweigh the product); batch 1:
-# 64->64 @56 2.25x, 128->128 @28 2.42x, 256->256 @14 1.74x, 128->32 @56 1.81x, @28
+# 64->64 @56 2.25x, 128->128 @28 2.42x, 256->256 @14 1.74x, 512->512 @14 1.49x, 128->32 @56 1.81x, @28
 # 1.76x, 32->128 @27 1.84x, 64->256 @13 1.38x, but 512->512 @7 0.80x (4 tiles: U, 36 MiB,
 # read for little work) and 128->32 @7 0.91x. Whole networks, one process, interleaved
 # against the rule before ((64, 196), (32, 8192)): densenet121 batch 16 1.10x, batch 1
@@ -357,16 +357,21 @@ def _native_form(
         chunk = chunk_tiles_(c, k, tiles)
         last = tiles - (tiles - 1) // chunk * chunk
         f_in, f_out = transforms
-        params = (ctypes.c_long * 18)(
+        h_full, h_last = mm.rows(chunk), mm.rows(last)
+        onednn_bytes = -(-mm.scratch_bytes // 64) * 64  # oneDNN's scratchpad, then V, M
+        params = (ctypes.c_long * 19)(
             native_address(f_in), native_address(f_out), native_address(mm.lib.run),
-            mm.rows(chunk), mm.rows(last), bias.data_ptr() if bias is not None else 0,
-            direct.ptr(), h, w, c, k, oh, ow, ph, pw, pos, tiles, chunk,
+            h_full, h_last, bias.data_ptr() if bias is not None else 0,
+            direct.ptr(), h, w, c, k, oh, ow, ph, pw, pos, tiles, chunk, onednn_bytes,
         )  # fmt: skip
-        ws = Workspace(4 * pos * chunk * (c + k) + chunk)
-        args = (ctypes.addressof(params), x, res if res is not None else 0, y, ws, SCRATCH)
+        scratch = onednn_bytes + 4 * pos * chunk * (c + k) + chunk
+        args = (ctypes.addressof(params), x, res if res is not None else 0, y, SCRATCH)
+        # the runtime's one scratchpad (sized to the largest step's) holds the chunk's V
+        # and M: no buffer of its own per Winograd layer
         return NativeCall(
-            native_address(driver), args, True, mm.scratch_bytes, keep=(params, driver)
-        )
+            native_address(driver), args, True, scratch,
+            keep=(params, driver, mm, direct, bias),
+        )  # fmt: skip
 
     return native
 
