@@ -183,16 +183,16 @@ class Plan:
         if self.memory is None:
             return self._run(inputs, self._program)
         if self._native is not None:
+            out = self.run_native(inputs)
+            if out is not None:
+                return out
             # one caller at a time (blocking), from the moment a recording may start: the
             # native program bypasses the per-step locks the unplanned steps take around
             # their primitives
             with self._busy:
                 native = self._native  # (read again: another caller may have recorded)
-                if isinstance(native, NativeProgram):
-                    if native.threads == torch.get_num_threads():
-                        return native(inputs)
-                    return self._run(inputs, self._program)
-                if native is None:  # refused meanwhile
+                if native is None or isinstance(native, NativeProgram):
+                    # refused meanwhile, or recorded at another thread count
                     return self._run(inputs, self._program)
                 return self._record_native(inputs, native)
         busy = self._busy
@@ -205,10 +205,11 @@ class Plan:
 
     def run_native(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The recorded native program's output for ``inputs``, or None where this call
-        must take ``run`` (not recorded yet, refused, or recorded at another thread count).
-        The program runs no framework operation but handing out its output, so it needs
-        neither ``run``'s checks nor the caller's gradient mode switched off: the shortcut
-        of ``OptimizedModule.__call__`` (35-60 us fewer a call on a cold cache)."""
+        must take the steps (not recorded yet, refused, or recorded at another thread
+        count): ``run``'s native branch, and the shortcut of ``OptimizedModule.__call__``
+        (35-60 us fewer a call on a cold cache). The program runs no framework operation
+        but handing out its output, so it needs neither ``run``'s other checks nor the
+        caller's gradient mode switched off."""
         with self._busy:
             native = self._native
             if native.__class__ is NativeProgram and native.threads == _num_threads():

@@ -169,6 +169,12 @@ def tiles_of(n: int, oh: int, ow: int) -> int:
     return n * -(-oh // TILE) * -(-ow // TILE)
 
 
+def last_chunk(tiles: int, chunk: int) -> int:
+    """Tiles in the last chunk of ``tiles`` cut in chunks of ``chunk`` (the product's
+    second row count)."""
+    return tiles - (tiles - 1) // chunk * chunk
+
+
 def chunk_tiles(c: int, k: int, tiles: int) -> int:
     """Tiles per chunk: V + M within ``WORKSPACE_BYTES``, at least ``MIN_CHUNK_TILES``."""
     per_tile = 36 * 4 * (c + k)
@@ -355,9 +361,8 @@ def _native_form(
         driver = load_shared(built.binary).mw_winograd
         tiles = tiles_of_(x.shape[0], oh, ow)
         chunk = chunk_tiles_(c, k, tiles)
-        last = tiles - (tiles - 1) // chunk * chunk
         f_in, f_out = transforms
-        h_full, h_last = mm.rows(chunk), mm.rows(last)
+        h_full, h_last = mm.rows(chunk), mm.rows(last_chunk(tiles, chunk))
         onednn_bytes = -(-mm.scratch_bytes // 64) * 64  # oneDNN's scratchpad, then V, M
         params = (ctypes.c_long * 19)(
             native_address(f_in), native_address(f_out), native_address(mm.lib.run),
@@ -454,9 +459,7 @@ def transform_call(
     chunk_full = chunk_tiles_(c, k, tiles_full)
     # the product as oneDNN matmul primitives (the full chunk's rows and the last chunk's),
     # U packed into them; else torch.bmm on U as it is
-    mm = onednn.batched_matmul(
-        u, [chunk_full, tiles_full - (tiles_full - 1) // chunk_full * chunk_full], options
-    )
+    mm = onednn.batched_matmul(u, [chunk_full, last_chunk(tiles_full, chunk_full)], options)
     if mm is not None:
         u = None
         u_source = mm.plain
