@@ -22,8 +22,11 @@ rounds of autotune's time over the fastest static engine's (default included) in
 round; "same plan" marks a static engine that runs autotune's algorithm on every conv2d
 layer (the same code: their difference is the host's noise).
 
-Latency is the median of ``--repeat`` rounds after ``--warmup`` rounds; each round calls
-every engine once, in a new random order. Every engine's output is checked against eager
+Latency is the median of ``--repeat`` rounds after ``--warmup`` rounds; each round gives
+every engine a turn, in a new random order. At batch 1-2 a turn is one discarded call and
+five timed ones (their median: repeated inference, as ``zoo.py`` times it and as tuning
+times a plan; one call a turn met caches the other eight engines had evicted, and a 1 ms
+network ran twice as slow as in a loop); at larger batches one call (``--block``). Every engine's output is checked against eager
 NCHW (max abs error over the reference's max magnitude).
 
 Tuning cost: ``optimize()`` wall time of ``default`` and of ``autotune``, each in its own
@@ -158,10 +161,17 @@ def max_rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def interleaved(
-    fns: dict[str, Callable[[], Any]], warmup: int, repeat: int, rng: random.Random
+    fns: dict[str, Callable[[], Any]],
+    warmup: int,
+    repeat: int,
+    rng: random.Random,
+    block: int = 1,
 ) -> dict[str, list[float]]:
-    """Milliseconds of every round per function; each round calls every function once, in
-    a new random order."""
+    """Milliseconds of every round per function; each round calls every function, in a new
+    random order. ``block`` > 1: a function's turn is one discarded call and ``block``
+    timed ones, and the round's time is their median (repeated inference, as ``zoo.py``
+    times it and as tuning measures a plan: with one call a turn, every call of a small
+    network at batch 1 meets the caches the other engines left)."""
     names = list(fns)
     for _ in range(warmup):
         rng.shuffle(names)
@@ -171,9 +181,15 @@ def interleaved(
     for _ in range(repeat):
         rng.shuffle(names)
         for k in names:
-            t0 = time.perf_counter()
-            fns[k]()
-            times[k].append((time.perf_counter() - t0) * 1e3)
+            fn = fns[k]
+            if block > 1:
+                fn()  # discarded: the caches and threads the previous engine left
+            got = []
+            for _ in range(block):
+                t0 = time.perf_counter()
+                fn()
+                got.append((time.perf_counter() - t0) * 1e3)
+            times[k].append(statistics.median(got))
     return times
 
 
@@ -257,7 +273,8 @@ def measure(net: str, batch: int, args: argparse.Namespace, scratch: Path, per_l
         fns[name], opts[name], opt_s[f"{name}_warm"] = timed_optimize(model, x, cache_default, name)
     err = {k: max_rel_err(fn(), ref) for k, fn in fns.items()}
     rng = random.Random(f"{net}-{batch}")
-    rounds = interleaved(fns, args.warmup, args.repeat, rng)
+    block = args.block or (5 if batch <= 2 else 1)
+    rounds = interleaved(fns, args.warmup, args.repeat, rng, block)
     ms = medians(rounds)
     picks = {k: picks_of(o) for k, o in opts.items()}
     plans = {k: {r.node: r.algorithm or "generated" for r in conv_rows(o)} for k, o in opts.items()}
@@ -816,6 +833,13 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5, help="timed rounds (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     p.add_argument(
+        "--block",
+        type=int,
+        default=0,
+        help="network tables: timed calls per engine's turn, after a discarded one "
+        "(0: 5 at batch 1-2, else 1 call, none discarded)",
+    )
+    p.add_argument(
         "--per-layer", default="resnet18:16", help="net:batch pairs for the per-layer table"
     )
     p.add_argument("--out", type=Path, help="write the markdown table here")
@@ -878,10 +902,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                     file=sys.stderr,
                     flush=True,
                 )
+    turn = (
+        "one call"
+        if args.block == 1
+        else f"{args.block} timed calls after a discarded one (their median)"
+        if args.block
+        else "5 timed calls after a discarded one (their median) at batch 1-2, one call above"
+    )
     meta = (
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"median of {args.repeat} interleaved rounds (random order per round) after "
-        f"{args.warmup} warm-up round(s); whole run {time.perf_counter() - t_start:.0f} s."
+        f"{args.warmup} warm-up round(s); an engine's turn in a round: {turn}; whole run {time.perf_counter() - t_start:.0f} s."
     )
     text = markdown(rows, meta)
     print(text)
