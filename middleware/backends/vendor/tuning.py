@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import threading
 import time
 import weakref
@@ -40,8 +41,9 @@ PRUNING_SPEEDUP = 1.5
 # part of every decision's key, so that a change of either re-tunes instead of reusing
 # decisions measured the old way ("cold-weights": each timed call after
 # :func:`cpu_context`'s eviction on the CPU; "wino-onednn": Winograd's product on oneDNN
-# matmul primitives, session 20, 2.2x faster than the torch.bmm it was timed with before).
-METHOD = "cold-weights;wino-onednn"
+# matmul primitives, session 20, 2.2x faster than the torch.bmm it was timed with before;
+# "net-median": whole plans judged by their median round, ties kept by the default).
+METHOD = "cold-weights;wino-onednn;net-median"
 
 # (candidate name, a call running it once) -> seconds
 Timer = Callable[[str, Callable[[], Any]], float]
@@ -76,9 +78,15 @@ def best_of(
     prune_after_round: int = PRUNE_AFTER_ROUND,
     pruning_speedup: float = PRUNING_SPEEDUP,
     before: Callable[[], Any] | None = None,
+    statistic: str = "min",
 ) -> Outcome:
     """The fastest of ``candidates`` (name -> a call), by BestOf's rounds and pruning;
-    ``before`` (untimed) runs before every timed call (:func:`cpu_context`)."""
+    ``before`` (untimed) runs before every timed call (:func:`cpu_context`). A candidate's
+    time is the ``statistic`` of its rounds: "min" (BestOf's best time) or "median" (a
+    candidate whose times spread wide is not judged by its luckiest round: whole plans,
+    whose times on a shared host spread 5-10%)."""
+    if statistic not in ("min", "median"):
+        raise ValueError(f"statistic must be 'min' or 'median', not {statistic!r}")
     if not candidates:
         raise ValueError("best_of needs at least one candidate")
     timer = timer or TIMER
@@ -87,6 +95,7 @@ def best_of(
         return Outcome(alive[0], {}, {}, 0)
     for name in alive:  # untimed: one-time costs
         candidates[name]()
+    seen: dict[str, list[float]] = {name: [] for name in alive}
     best = {name: math.inf for name in alive}
     pruned: dict[str, int] = {}
     done = 0
@@ -95,7 +104,8 @@ def best_of(
         for name in alive:
             if before is not None:
                 before()
-            best[name] = min(best[name], float(timer(name, candidates[name])))
+            seen[name].append(float(timer(name, candidates[name])))
+            best[name] = min(seen[name]) if statistic == "min" else statistics.median(seen[name])
         if r >= prune_after_round:
             fastest = min(best[n] for n in alive)
             for name in alive:
