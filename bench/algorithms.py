@@ -23,10 +23,11 @@ round; "same plan" marks a static engine that runs autotune's algorithm on every
 layer (the same code: their difference is the host's noise).
 
 Latency is the median of ``--repeat`` rounds after ``--warmup`` rounds; each round gives
-every engine a turn, in a new random order. At batch 1-2 a turn is one discarded call and
-five timed ones (their median: repeated inference, as ``zoo.py`` times it and as tuning
-times a plan; one call a turn met caches the other eight engines had evicted, and a 1 ms
-network ran twice as slow as in a loop); at larger batches one call (``--block``). Every engine's output is checked against eager
+every engine a turn, in a new random order: one discarded call, then five timed ones at
+batch 1-2 (their median), one above (``--block``). Repeated inference, as ``zoo.py`` times
+it and as tuning times a plan: with one call a turn, every call met the caches, pages
+and threads the other eight engines had left (a 0.5 ms network ran at 1 ms, and
+densenet121's default plan at batch 16 at 234 ms against 202 ms in a loop). Every engine's output is checked against eager
 NCHW (max abs error over the reference's max magnitude).
 
 Tuning cost: ``optimize()`` wall time of ``default`` and of ``autotune``, each in its own
@@ -166,12 +167,14 @@ def interleaved(
     repeat: int,
     rng: random.Random,
     block: int = 1,
+    discard: bool = False,
 ) -> dict[str, list[float]]:
     """Milliseconds of every round per function; each round calls every function, in a new
-    random order. ``block`` > 1: a function's turn is one discarded call and ``block``
-    timed ones, and the round's time is their median (repeated inference, as ``zoo.py``
-    times it and as tuning measures a plan: with one call a turn, every call of a small
-    network at batch 1 meets the caches the other engines left)."""
+    random order. A function's turn is ``block`` timed calls (the round's time: their
+    median), after one discarded call where ``discard``: repeated inference, as ``zoo.py``
+    times it and as tuning measures a plan. Without the discarded call every call meets
+    the caches, pages and threads the other engines left: a 0.5 ms network at batch 1 ran
+    at 1 ms, and densenet121's default plan at batch 16 at 234 ms against 202 ms."""
     names = list(fns)
     for _ in range(warmup):
         rng.shuffle(names)
@@ -182,7 +185,7 @@ def interleaved(
         rng.shuffle(names)
         for k in names:
             fn = fns[k]
-            if block > 1:
+            if discard:
                 fn()  # discarded: the caches and threads the previous engine left
             got = []
             for _ in range(block):
@@ -274,7 +277,7 @@ def measure(net: str, batch: int, args: argparse.Namespace, scratch: Path, per_l
     err = {k: max_rel_err(fn(), ref) for k, fn in fns.items()}
     rng = random.Random(f"{net}-{batch}")
     block = args.block or (5 if batch <= 2 else 1)
-    rounds = interleaved(fns, args.warmup, args.repeat, rng, block)
+    rounds = interleaved(fns, args.warmup, args.repeat, rng, block, discard=True)
     ms = medians(rounds)
     picks = {k: picks_of(o) for k, o in opts.items()}
     plans = {k: {r.node: r.algorithm or "generated" for r in conv_rows(o)} for k, o in opts.items()}
@@ -837,7 +840,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="network tables: timed calls per engine's turn, after a discarded one "
-        "(0: 5 at batch 1-2, else 1 call, none discarded)",
+        "(0: 5 at batch 1-2, else 1)",
     )
     p.add_argument(
         "--per-layer", default="resnet18:16", help="net:batch pairs for the per-layer table"
@@ -903,11 +906,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     flush=True,
                 )
     turn = (
-        "one call"
-        if args.block == 1
-        else f"{args.block} timed calls after a discarded one (their median)"
+        f"{args.block} timed call(s) after a discarded one (their median)"
         if args.block
-        else "5 timed calls after a discarded one (their median) at batch 1-2, one call above"
+        else "a discarded call, then 5 timed ones at batch 1-2 (their median), 1 above"
     )
     meta = (
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
