@@ -25,10 +25,11 @@ layer (the same code: their difference is the host's noise).
 Latency is the median of ``--repeat`` rounds after ``--warmup`` rounds; each round gives
 every engine a turn, in a new random order: one discarded call, then five timed ones at
 batch 1-2 (their median), one above (``--block``). Repeated inference, as ``zoo.py`` times
-it and as tuning times a plan: with one call a turn, every call met the caches, pages
-and threads the other eight engines had left (a 0.5 ms network ran at 1 ms, and
-densenet121's default plan at batch 16 at 234 ms against 202 ms in a loop). Every engine's output is checked against eager
-NCHW (max abs error over the reference's max magnitude).
+it and as the network-level choice times a plan: with one call a turn, every call met the
+caches, pages and threads the other eight engines had left (a 0.5 ms network ran at 1 ms,
+and densenet121's default plan at batch 16 at 234 ms against 202 ms in a loop). Every
+engine's output is checked against eager NCHW (max abs error over the reference's max
+magnitude).
 
 Tuning cost: ``optimize()`` wall time of ``default`` and of ``autotune``, each in its own
 fresh cache directory (both compile their kernels cold; autotune also times the
@@ -172,9 +173,11 @@ def interleaved(
     """Milliseconds of every round per function; each round calls every function, in a new
     random order. A function's turn is ``block`` timed calls (the round's time: their
     median), after one discarded call where ``discard``: repeated inference, as ``zoo.py``
-    times it and as tuning measures a plan. Without the discarded call every call meets
-    the caches, pages and threads the other engines left: a 0.5 ms network at batch 1 ran
-    at 1 ms, and densenet121's default plan at batch 16 at 234 ms against 202 ms."""
+    times it and as the network-level choice times a plan. Without the discarded call
+    every call meets the caches, pages and threads the other engines left: a 0.5 ms
+    network at batch 1 ran at 1 ms, and densenet121's default plan at batch 16 at 234 ms
+    against 202 ms. (The single-layer tables call each layer once a turn: a layer does
+    meet the caches its neighbours left.)"""
     names = list(fns)
     for _ in range(warmup):
         rng.shuffle(names)
@@ -829,6 +832,13 @@ def errors_table(cache: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _non_negative(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n}: give 0 (the default per batch) or more")
+    return n
+
+
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nets", default=",".join(DEFAULT_NETS), help="comma-separated networks")
@@ -837,7 +847,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     p.add_argument(
         "--block",
-        type=int,
+        type=_non_negative,
         default=0,
         help="network tables: timed calls per engine's turn, after a discarded one "
         "(0: 5 at batch 1-2, else 1)",
@@ -906,14 +916,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                     flush=True,
                 )
     turn = (
-        f"{args.block} timed call(s) after a discarded one (their median)"
+        f"a discarded call, then {args.block} timed (their median)"
         if args.block
-        else "a discarded call, then 5 timed ones at batch 1-2 (their median), 1 above"
+        else "a discarded call, then 5 timed at batch 1-2 (their median), 1 above"
     )
     meta = (
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"median of {args.repeat} interleaved rounds (random order per round) after "
-        f"{args.warmup} warm-up round(s); an engine's turn in a round: {turn}; whole run {time.perf_counter() - t_start:.0f} s."
+        f"{args.warmup} warm-up round(s); an engine's turn in a round: {turn}; "
+        f"whole run {time.perf_counter() - t_start:.0f} s."
     )
     text = markdown(rows, meta)
     print(text)

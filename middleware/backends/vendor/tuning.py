@@ -3,7 +3,8 @@
 :func:`best_of` (BestOf's rounds): every candidate runs once untimed (one-time costs:
 lazy initialisation, first-touch of its buffers), then up to ``rounds`` timed rounds; after
 ``prune_after_round`` rounds every candidate whose best time is slower than the best
-candidate's by more than ``pruning_speedup`` is dropped; the fastest survivor wins.
+candidate's by more than ``pruning_speedup`` is dropped; the fastest survivor wins, by its
+best time or (whole plans) by its median round.
 
 :class:`DecisionStore`: decisions as JSON in ``<cache_dir>/tuning/decisions.json``, keyed
 by a digest of the problem (shapes, geometry, epilogue, dtype, layouts), the candidate
@@ -22,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import statistics
 import threading
@@ -41,9 +41,8 @@ PRUNING_SPEEDUP = 1.5
 # part of every decision's key, so that a change of either re-tunes instead of reusing
 # decisions measured the old way ("cold-weights": each timed call after
 # :func:`cpu_context`'s eviction on the CPU; "wino-onednn": Winograd's product on oneDNN
-# matmul primitives, session 20, 2.2x faster than the torch.bmm it was timed with before;
-# "net-median": whole plans judged by their median round, ties kept by the default).
-METHOD = "cold-weights;wino-onednn;net-median"
+# matmul primitives, session 20, 2.2x faster than the torch.bmm it was timed with before).
+METHOD = "cold-weights;wino-onednn"
 
 # (candidate name, a call running it once) -> seconds
 Timer = Callable[[str, Callable[[], Any]], float]
@@ -62,8 +61,8 @@ TIMER: Timer = wall_timer
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """The winner, each candidate's best time, and the round after which each pruned
-    candidate was dropped."""
+    """The winner, each candidate's time (the statistic of its rounds: best or median),
+    and the round after which each pruned candidate was dropped."""
 
     best: str
     times: dict[str, float]
@@ -96,7 +95,6 @@ def best_of(
     for name in alive:  # untimed: one-time costs
         candidates[name]()
     seen: dict[str, list[float]] = {name: [] for name in alive}
-    best = {name: math.inf for name in alive}
     pruned: dict[str, int] = {}
     done = 0
     for r in range(1, rounds + 1):
@@ -105,17 +103,20 @@ def best_of(
             if before is not None:
                 before()
             seen[name].append(float(timer(name, candidates[name])))
-            best[name] = min(seen[name]) if statistic == "min" else statistics.median(seen[name])
         if r >= prune_after_round:
-            fastest = min(best[n] for n in alive)
+            # pruned by the best time whatever the statistic: after two rounds a median is
+            # a mean, and one slow first round would drop the faster candidate
+            fastest = min(min(seen[n]) for n in alive)
             for name in alive:
-                if best[name] > pruning_speedup * fastest:
+                if min(seen[name]) > pruning_speedup * fastest:
                     pruned[name] = r
             alive = [n for n in alive if n not in pruned]
             if len(alive) == 1:
                 break
-    winner = min(alive, key=lambda n: best[n])
-    return Outcome(winner, best, pruned, done)
+    pick = min if statistic == "min" else statistics.median
+    times = {name: float(pick(v)) for name, v in seen.items()}
+    winner = min(alive, key=lambda n: times[n])
+    return Outcome(winner, times, pruned, done)
 
 
 def cpu_context(private_cache_bytes: int, inputs: tuple[Any, ...]) -> Callable[[], None]:
