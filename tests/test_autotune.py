@@ -645,6 +645,33 @@ def test_a_plan_within_the_tie_of_the_default_does_not_replace_it(monkeypatch, t
     assert not any("the default kept" in n for n in report.notes)
 
 
+def test_the_tie_keeps_the_default_plan_found_equal_to_the_tuned_one(monkeypatch, tmp_path):
+    """Per layer the vendor call wins, so the tuned plan is the default's (stored under
+    "tuned"); im2col_gemm on every layer is timed as a whole 2% faster: a tie, so the
+    default's plan runs, and a new process rebuilds it from the stored decision."""
+    whole = {"on": False}
+
+    def timer(name, run):
+        run()
+        if name == "tuned":  # the whole plans are timed last
+            whole["on"] = True
+        if whole["on"]:
+            return {"tuned": 1.0, "im2col_gemm": 0.98}.get(name, 3.0)
+        return {"vendor": 1.0, "im2col_gemm": 1.02}.get(name, 3.0)
+
+    monkeypatch.setattr(tuning, "TIMER", timer)
+    report = _optimized_report(tmp_path, "autotune")
+    rows = [r.algorithm for r in report.rows if r.op == "conv2d"]
+    assert "im2col_gemm" not in rows
+    note = next(n for n in report.notes if n.startswith("network-level choice"))
+    assert "tuned kept: im2col_gemm faster by only 2.0%" in note
+    assert "same plan: default = tuned" in note
+    tuning.clear_memo()
+    monkeypatch.setattr(tuning, "TIMER", _no_timing)
+    again = _optimized_report(tmp_path, "autotune")
+    assert [r.algorithm for r in again.rows if r.op == "conv2d"] == rows
+
+
 def test_best_of_by_median_does_not_crown_a_lucky_round():
     """A candidate fast once and slow otherwise wins by its best time, not by its
     median (the statistic whole plans are judged by)."""
