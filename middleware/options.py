@@ -89,8 +89,9 @@ class Options:
     batch_chunk: int | str = "auto"
     # On CPU, 3x3 stride-1 convolutions that the measured rule picks run as Winograd
     # F(4x4, 3x3) (backends/vendor/winograd.py): generated transforms around oneDNN's
-    # batched matmul, 1.3-2.5x faster than oneDNN's direct kernels on most layers, within ~1e-5 of the output's scale per
-    # layer. False keeps every convolution in oneDNN's direct algorithm.
+    # batched matmul, 1.3-2.5x faster than oneDNN's direct kernels on most layers, within
+    # ~1e-5 of the output's scale per layer. False keeps every convolution in oneDNN's
+    # direct algorithm.
     winograd: bool = True
     # On CPU, vendor convolutions run as oneDNN primitives created once at plan time and
     # executed directly (backends/vendor/onednn.py: PyTorch's own oneDNN through its C API),

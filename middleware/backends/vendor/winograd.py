@@ -80,9 +80,9 @@ MIN_PIXELS = 2048
 # 512->512 @28 2.53x, @14 1.89x, @7 1.73x, 96->128 @28 1.92x, 160->320 @7 1.58x, 32->128
 # @27 1.43x, 48->192 @13 1.50x, 32->32 @56 1.31x, 128->32 @56 1.38x, @14 1.07x, @7 1.12x,
 # but 16->64 @55 0.84x (16 input channels: the transforms outweigh the product); batch 1:
-# 64->64 @56 2.25x, 128->128 @28 2.42x, 256->256 @14 1.74x, 512->512 @14 1.49x, 128->32 @56 1.81x, @28
-# 1.76x, 32->128 @27 1.84x, 64->256 @13 1.38x, but 512->512 @7 0.80x (4 tiles: U, 36 MiB,
-# read for little work) and 128->32 @7 0.91x. Whole networks, one process, interleaved
+# 64->64 @56 2.25x, 128->128 @28 2.42x, 256->256 @14 1.74x, 512->512 @14 1.49x, 128->32
+# @56 1.81x, @28 1.76x, 32->128 @27 1.84x, 64->256 @13 1.38x, but 512->512 @7 0.80x (4
+# tiles: U, 36 MiB, read for little work) and 128->32 @7 0.91x. Whole networks, one process, interleaved
 # against the rule before ((64, 196), (32, 8192)): densenet121 batch 16 1.10x, batch 1
 # 1.02x, googlenet 0.99x at batch 1, the others unchanged; admitting the 7x7 layers at
 # batch 1 too (160->320 @7 1.32x alone) made googlenet 3-4% slower. (With torch.bmm,
