@@ -37,9 +37,20 @@ one process, with the small-1x1-conv GEMM path (``calls.GEMM_1X1_MAX_ROWS``) off
 seeded order per round, blocks whose first call is discarded), outputs checked against
 eager.
 
+``--mode call`` (issue 18): what the call itself costs around the native program, cold
+(``--flush`` MiB read before every call, as a network's previous layer would) and warm:
+``optimize()``'s module with its call as one C++ function (``native_call=True``) and with
+the Python shortcut (``native_call=False``), ``Plan.run_native`` (the program and its output
+buffer), the native program into a given output, and a Python no-op; medians of
+``--repeat`` rounds, each round every engine once in a new random order, outputs checked
+against eager. Two patterns: BN -> ReLU -> 3x3/2 max-pool on 1x64x56x56 channels_last
+(the output, 200 KB, allocated per call) and concat -> 3x3/1 max-pool at batch 16
+(bench/io_patterns.py's, 11 MB of output from the recycled pool).
+
 Usage::
 
     python bench/overhead.py                    # resnet18, batch 1, 200 rounds
+    python bench/overhead.py --mode call --repeat 100
     python bench/overhead.py --repeat 50 --model torchvision:mobilenet_v3_small
     python bench/overhead.py --mode micro
     python bench/overhead.py --mode steps --model torchvision:mobilenet_v3_small
@@ -52,6 +63,7 @@ import argparse
 import collections
 import copy
 import ctypes
+import random
 import statistics
 import subprocess
 import sys
@@ -104,7 +116,10 @@ def _null_program(plan: Any, x: torch.Tensor) -> list[tuple[Any, ...]] | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=("python", "micro", "steps", "ab"), default="python")
+    parser.add_argument(
+        "--mode", choices=("python", "micro", "steps", "ab", "call"), default="python"
+    )
+    parser.add_argument("--flush", type=int, default=128, help="--mode call: MiB read per call")
     parser.add_argument("--model", default="torchvision:resnet18")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=200)
@@ -126,6 +141,9 @@ def main() -> None:
         return
     if args.mode == "steps":
         steps(args.model, args.batch, max(5, args.repeat // 10))
+        return
+    if args.mode == "call":
+        call(args.repeat, args.flush)
         return
 
     loaded = load_model(args.model)
@@ -491,3 +509,73 @@ def steps(model_name: str, batch: int, repeats: int) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def call(rounds: int, flush_mib: int) -> None:
+    """``--mode call``: the call path around the native program, cold and warm."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import io_patterns as iop  # the streaming harness's cache eviction and patterns
+
+    from middleware.runtime import shortcut
+
+    ext = shortcut.extension(wait=True)
+    print(f"C++ call: {'loaded' if ext is not None else shortcut.why_not()}")
+    torch.manual_seed(0)
+    chain = torch.nn.Sequential(iop._bn(64), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
+    concat, shapes = iop.patterns(16)["concat_maxpool"]
+    cases = {
+        "chain 1x64x56x56 nhwc": (chain.eval(), [(1, 64, 56, 56)]),
+        "concat_maxpool b16 nhwc": (concat().eval(), shapes),
+    }
+    cache = Path(tempfile.mkdtemp(prefix="mw-call-"))
+    native = iop.Native(cache)
+    print(f"medians of {rounds} rounds; microseconds per call")
+    print(f"{'pattern':26s} {'cache':5s} " + " ".join(f"{k:>14s}" for k in _CALLS))
+    for name, (model, shp) in cases.items():
+        xs = [torch.randn(s).contiguous(memory_format=torch.channels_last) for s in shp]
+        with torch.no_grad():
+            want = model(*xs)
+        engines = _call_engines(model, xs, want, cache, ext is not None)
+        for cold in (True, False):
+            native.set_flush(flush_mib if cold else 0)
+            times = {k: [] for k in engines}
+            with torch.no_grad():
+                for r in range(rounds):
+                    order = list(engines)
+                    random.Random(r).shuffle(order)
+                    for k in order:
+                        native.evict()
+                        t0 = time.perf_counter()
+                        y = engines[k]()
+                        times[k].append((time.perf_counter() - t0) * 1e6)
+                        del y
+            med = {k: statistics.median(v) for k, v in times.items()}
+            print(
+                f"{name:26s} {'cold' if cold else 'warm':5s} "
+                + " ".join(f"{med[k]:14.1f}" for k in _CALLS)
+            )
+
+
+def _call_engines(
+    model: torch.nn.Module, xs: list[torch.Tensor], want: torch.Tensor, cache: Path, built: bool
+) -> dict[str, Callable[[], Any]]:
+    """``--mode call``'s engines for one pattern (outputs checked against ``want``)."""
+    engines: dict[str, Callable[[], Any]] = {}
+    for on in (True, False):
+        om = middleware.optimize(model, example_inputs=xs, cache_dir=cache, native_call=on)
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(om(*xs), want, rtol=1e-4, atol=1e-4)
+        assert (om._fast is not None) == (on and built)
+        engines["C++ call" if on else "Python call"] = lambda om=om: om(*xs)
+    plan = om.plan
+    prog = plan.native
+    assert prog is not None, "the pattern's plan does not run natively"
+    out = prog(xs)
+    engines["run_native"] = lambda: plan.run_native(xs)
+    engines["program(out)"] = lambda: prog(xs, out)
+    engines["no-op"] = lambda: None
+    return engines
+
+
+_CALLS = ("C++ call", "Python call", "run_native", "program(out)", "no-op")

@@ -43,6 +43,12 @@ def native_runner_default() -> bool:
     return os.environ.get("MIDDLEWARE_NATIVE_RUNNER", "1") != "0"
 
 
+def native_call_default() -> bool:
+    """``$MIDDLEWARE_NATIVE_CALL=0`` keeps the optimized module's call in Python
+    (``Options.native_call``); anything else, or unset, one C++ call where it applies."""
+    return os.environ.get("MIDDLEWARE_NATIVE_CALL", "1") != "0"
+
+
 def onednn_primitives_default() -> bool:
     """``$MIDDLEWARE_ONEDNN_PRIMITIVES=0`` makes ``torch.ops.mkldnn`` the default for CPU
     convolutions (``Options.onednn_primitives``); anything else, or unset, primitives."""
@@ -144,6 +150,11 @@ class Options:
     # steps); report() says where it does not and why. Default: $MIDDLEWARE_NATIVE_RUNNER
     # (unset: on).
     native_runner: bool = dataclasses.field(default_factory=native_runner_default)
+    # On CPU, an inference call whose plan runs natively is, from its second call, one C++
+    # function (runtime/shortcut.cpp: the call's checks, the output buffer and the native
+    # program), built once per cache folder in a background thread. Default:
+    # $MIDDLEWARE_NATIVE_CALL (unset: on).
+    native_call: bool = dataclasses.field(default_factory=native_call_default)
     # Pin the hardware figures instead of measuring (middleware/hardware.py): a Hardware, or
     # a dict of its fields (kept as sorted (field, value) pairs). Default: $MIDDLEWARE_HARDWARE.
     hardware: Any = dataclasses.field(default_factory=hardware_from_env)

@@ -378,6 +378,7 @@ def _plan(
         check_memory=options.check_memory,
         huge_pages=options.huge_pages,
         native=options.cache_dir if options.native_runner else None,
+        native_call=options.native_call,
     )
 
 

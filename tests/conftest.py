@@ -39,6 +39,34 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ["MIDDLEWARE_CACHE_DIR"] = old
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _native_call(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The C++ call (runtime/shortcut.cpp) built once, before any test, in a folder the
+    xdist workers share (one compile, under the kernel cache's file lock), so that every
+    test sees the same call path: the C++ one unless a test switches it off."""
+    from middleware.runtime import shortcut
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' common folder
+    old = os.environ.get("MIDDLEWARE_EXTENSION_DIR")
+    os.environ["MIDDLEWARE_EXTENSION_DIR"] = str(root / "middleware-extension")
+    shortcut.extension(wait=True)
+    yield
+    if old is None:
+        os.environ.pop("MIDDLEWARE_EXTENSION_DIR", None)
+    else:
+        os.environ["MIDDLEWARE_EXTENSION_DIR"] = old
+
+
+@pytest.fixture(params=["c++", "python"])
+def call_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with the optimized module's call as one C++ function, and again with
+    the Python shortcut (``Options.native_call``'s default, read when optimize() runs)."""
+    monkeypatch.setenv("MIDDLEWARE_NATIVE_CALL", "1" if request.param == "c++" else "0")
+    return request.param
+
+
 def _scale(t: torch.Tensor) -> float:
     return max(1.0, float(t.detach().abs().max())) if t.numel() else 1.0
 

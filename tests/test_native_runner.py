@@ -100,7 +100,7 @@ def _mobile() -> tuple[nn.Module, torch.Tensor]:
     return reinit(Net(random.Random(3)), 3), torch.randn(1, 3, 32, 32)
 
 
-def test_held_outputs_are_not_overwritten() -> None:
+def test_held_outputs_are_not_overwritten(call_path: str) -> None:
     m, x = _mobile()
     om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
     with torch.no_grad():
@@ -114,7 +114,7 @@ def test_held_outputs_are_not_overwritten() -> None:
         assert torch.allclose(other, m(x2), rtol=1e-4, atol=1e-4 * float(other.abs().max()))
 
 
-def test_another_thread_count_runs_the_python_steps() -> None:
+def test_another_thread_count_runs_the_python_steps(call_path: str) -> None:
     m, x = _mobile()
     om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
     threads = torch.get_num_threads()
@@ -156,7 +156,7 @@ def _calls_from_two_threads(
     return errors
 
 
-def test_calls_from_two_threads() -> None:
+def test_calls_from_two_threads(call_path: str) -> None:
     m, x = _mobile()
     om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
     xs = [torch.randn_like(x) for _ in range(4)]
@@ -190,12 +190,14 @@ def test_a_step_that_is_not_one_c_call_keeps_the_python_steps() -> None:
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
-def test_a_failing_step_is_an_error_not_a_wrong_answer() -> None:
+def test_a_failing_step_is_an_error_not_a_wrong_answer(call_path: str) -> None:
     """A native step that reports failure raises; the module answers with the original."""
     m, x = _mobile()
     om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
     with torch.no_grad():
-        om(x)
+        for _ in range(3):  # the third call is one C++ function where call_path says so
+            om(x)
+        assert (om._fast is not None) == (call_path == "c++")
         prog = om.plan.native
         assert isinstance(prog, NativeProgram)
         libc = ctypes.CDLL(None)
@@ -430,7 +432,7 @@ def test_a_skipped_computation_fails_the_check() -> None:
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
-def test_the_call_shortcut_keeps_hooks_modes_and_weights() -> None:
+def test_the_call_shortcut_keeps_hooks_modes_and_weights(call_path: str) -> None:
     """``OptimizedModule.__call__``'s shortcut to the native program (a repeated inference
     call) steps aside for everything ``nn.Module``'s call or ``forward`` would honour:
     hooks on the module and global ones, training mode, changed weights, other inputs."""
@@ -449,8 +451,9 @@ def test_the_call_shortcut_keeps_hooks_modes_and_weights() -> None:
             return torch.allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
 
         forwards.clear()
-        assert close(om(x), ref) and close(om(x), ref)
+        assert close(om(x), ref) and close(om(x), ref) and close(om(x), ref)
         assert forwards == []  # the shortcut ran: forward was not called
+        assert (om._fast is not None) == (call_path == "c++")
         pre = om.register_forward_pre_hook(lambda mod, args: (args[0] * 2.0,))
         post = om.register_forward_hook(lambda mod, args, out: out + 1.0)
         assert close(om(x), m(x * 2.0) + 1.0)

@@ -18,6 +18,9 @@ import torch.nn as nn
 import middleware
 from middleware.runtime.planned_steps import Recycled
 
+# every test with the module's call as one C++ function (its own output pool) and in Python
+pytestmark = pytest.mark.usefixtures("call_path")
+
 
 class Residual(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import operator
 import threading
@@ -28,6 +29,7 @@ from ..errors import (
 )
 from ..graph import Graph
 from ..options import Options
+from . import shortcut as _shortcut
 from .inputs import (
     InputSpec,
     channels_last,
@@ -38,10 +40,17 @@ from .inputs import (
     unsupported_inputs,
 )
 from .plan import Plan
+from .planned_steps import Recycled
 from .profile import ProfileResult, measure, measure_training
 from .report import Report, ReportRow
 from .training import compile_training, mode_key
-from .weights import WeightSnapshot, describe_names, install_registration_hooks, registrations
+from .weights import (
+    WeightSnapshot,
+    describe_names,
+    install_registration_hooks,
+    registration_cell,
+    registrations,
+)
 
 
 @dataclasses.dataclass
@@ -145,6 +154,17 @@ class OptimizedModule(nn.Module):
         takes four Python frames and the gradient-mode switch fewer than ``forward``'s
         path: 35-60 us on a cold cache (the previous layer's data evicted the
         interpreter's), a tenth of a 22 MB fused kernel's time."""
+        fast = self._fast
+        if fast is not None and not kwargs:
+            # every test below and the native program's run as one C++ call
+            # (runtime/shortcut.cpp); None: a test failed, the Python path decides again
+            try:
+                out = fast(inputs)
+            except Exception as e:  # noqa: BLE001 - a plan bug must not reach the user
+                with torch.no_grad():
+                    return self._run_failed(inputs, fast.repeat.sig, e)
+            if out is not None:
+                return out
         repeat = self._repeat
         if (
             repeat is not None
@@ -180,6 +200,8 @@ class OptimizedModule(nn.Module):
                             return self._run_failed(inputs, repeat.sig, e)
                     if out is not None:
                         self.__dict__["_latest"] = repeat.entry
+                        if fast is None or fast.repeat is not repeat:
+                            self._make_fast(repeat, inputs)
                         return out
                     if not repeat.entry.plan.may_run_native:  # refused: no more tries
                         with self._compile_lock:  # unless another thread replaced the guard
@@ -213,6 +235,11 @@ class OptimizedModule(nn.Module):
         self._specs: list[InputSpec] | None = None
         self._latest: Compiled | None = None
         self._repeat: _Repeat | None = None  # the latest inference call, behind its guard
+        # _repeat's call as one C++ function (runtime/shortcut.py), once made; the _repeat it
+        # was refused for (not tried again)
+        self._fast: Any = None
+        self._fast_refused: _Repeat | None = None
+        self._fast_why = ""  # why the latest plan's call could not be made C++
         self._fallback_reason: str | None = None
         self._compile_lock = threading.Lock()
         self._weights: WeightSnapshot | None = None  # what the cached plans were built from
@@ -247,6 +274,7 @@ class OptimizedModule(nn.Module):
         state = super().__getstate__()
         state.pop("_compile_lock", None)  # a lock cannot be copied; each copy gets its own
         state["_repeat"] = None  # a C++ guard cannot be copied; the copy guards its own calls
+        state["_fast"] = state["_fast_refused"] = None  # nor the C++ call
         state.pop("_training_dicts", None)  # the copy's own modules' (__setstate__)
         return state
 
@@ -269,13 +297,21 @@ class OptimizedModule(nn.Module):
         # partly sharing memory with) this module's weights must not serve it, so it builds
         # its own on its first call.
         state = self.__getstate__()
-        for key in ("_plans", "_latest", "_repeat", "_weights", "_train_plans", "_train_weights"):
+        for key in (
+            "_plans",
+            "_latest",
+            "_repeat",
+            "_fast",
+            "_weights",
+            "_train_plans",
+            "_train_weights",
+        ):
             state.pop(key, None)
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         clone.__setstate__(copy.deepcopy(state, memo))
         clone._plans, clone._latest, clone._weights = {}, None, None
-        clone._repeat = None
+        clone._repeat = clone._fast = clone._fast_refused = None
         clone._train_plans, clone._train_weights = {}, None
         return clone
 
@@ -335,6 +371,9 @@ class OptimizedModule(nn.Module):
                 ),
             )
         report = self._latest.report
+        call = self._call_note()
+        if call:
+            report = dataclasses.replace(report, notes=(*report.notes, call))
         if self._rebuilds:
             note = (
                 f"plans rebuilt {self._rebuilds} time(s) because the original model's "
@@ -342,6 +381,21 @@ class OptimizedModule(nn.Module):
             )
             report = dataclasses.replace(report, notes=(*report.notes, note))
         return report
+
+    def _call_note(self) -> str:
+        """How an inference call reaches the latest plan, where it runs natively."""
+        plan = getattr(self._latest, "plan", None)
+        if not isinstance(plan, Plan) or plan.native is None:
+            return ""
+        fast = self._fast
+        if fast is not None and fast.repeat is self._repeat and self._repeat.entry is self._latest:
+            return "call: one C++ function (checks, output buffer and native program)"
+        why = (
+            "off (Options.native_call)"
+            if not self.options.native_call
+            else self._fast_why or _shortcut.why_not()
+        )
+        return f"call: the Python shortcut; the C++ call: {why}"
 
     def _model_report(self, reason: str, note: str) -> Report:
         row = ReportRow(
@@ -425,6 +479,76 @@ class OptimizedModule(nn.Module):
                 pass
         return any(map(_TRAINING, self._all_modules))
 
+    def _make_fast(self, repeat: _Repeat, inputs: Sequence[torch.Tensor]) -> None:
+        """After a call that took the Python shortcut: make that call one C++ function
+        (runtime/shortcut.cpp) for the inputs ``repeat`` guards, where the extension is
+        loaded (else it starts building, and a later call tries again). A plan it cannot
+        serve is refused once, not on every call."""
+        if self.__dict__.get("_fast_refused") is repeat or not self.options.native_call:
+            return
+        ext = _shortcut.extension()
+        if ext is None:
+            return
+        with self._compile_lock:
+            if self.__dict__.get("_repeat") is not repeat:
+                return  # replaced meanwhile (another thread)
+            self._fast_refused = repeat  # unless made below
+            plan = repeat.entry.plan
+            native = plan.native
+            weights, dicts = self._weights, self._training_dicts
+            if native is None or weights is None or dicts is None or not weights.current():
+                return
+            pool = getattr(native.output_source, "__self__", None)
+            with plan._busy:  # no call takes an output meanwhile
+                try:
+                    self._fast = self._shortcut_of(
+                        ext, repeat, inputs, pool, native, weights, dicts
+                    )
+                except Exception as e:  # noqa: BLE001 - the Python shortcut serves
+                    self._fast_why = f"the C++ call was refused ({first_line(e)})"
+                    return
+            self._fast_refused = None
+
+    def _shortcut_of(
+        self,
+        ext: Any,
+        repeat: _Repeat,
+        inputs: Sequence[torch.Tensor],
+        pool: Any,
+        native: Any,
+        weights: WeightSnapshot,
+        dicts: tuple[dict, ...],
+    ) -> Any:
+        """The C++ call of ``repeat``'s plan (under the plan's lock)."""
+        output = pool.adopt(ext) if isinstance(pool, Recycled) else native.output_source()
+        return ext.Shortcut(
+            module_dict=self.__dict__,
+            repeat=repeat,
+            weights=weights,
+            entry=repeat.entry,
+            inputs=tuple(inputs),
+            global_hooks=(
+                _global_forward_hooks,
+                _global_forward_pre_hooks,
+                _global_backward_hooks,
+                _global_backward_pre_hooks,
+            ),
+            tracing_state=_tracing_state,
+            training_dicts=dicts,
+            registrations=registration_cell(),
+            epoch=weights.epoch,
+            tracked=weights.tracked,
+            versions=weights.tracked_versions,
+            threads=native.threads,
+            lock=repeat.entry.plan._busy,
+            run=ctypes.cast(native.run, ctypes.c_void_p).value,
+            steps=ctypes.addressof(native.steps),
+            n=native.n,
+            names=tuple(native.names),
+            output=output,
+            keep=native,
+        )
+
     def _plan_call(self, inputs: Sequence[Any], sig: tuple, guard: bool = False) -> Any:
         """The plan of ``sig`` (built on first use) run on ``inputs``, without gradients.
         ``guard``: the inputs are the caller's own (dense already), so the next call may
@@ -502,6 +626,7 @@ class OptimizedModule(nn.Module):
             with self._compile_lock:  # the module as before this call: no plan, no spec
                 self._plans.pop(sig, None)
                 self._repeat = None
+                self._fast = None  # (it ran that _repeat's plan)
                 if not self._plans:
                     self._specs = None  # taken from these inputs, which nothing accepts
             raise rejected(self._original, inputs, model_error) from model_error
@@ -628,6 +753,7 @@ class OptimizedModule(nn.Module):
         self._plans = {}
         self._latest = None
         self._repeat = None
+        self._fast = None  # (it ran that _repeat's plan)
         self._weights = None
         self._rebuilds += 1
         self._rebuild_reason = why
@@ -679,6 +805,7 @@ class OptimizedModule(nn.Module):
         self._plans[sig] = entry
         self._latest = entry
         self._repeat = None  # it may have guarded the entry this one replaces
+        self._fast = None  # (it ran that _repeat's plan)
 
     def _fall_back(self, reason: str) -> None:
         """The whole model runs as the original PyTorch code from now on."""
@@ -689,6 +816,7 @@ class OptimizedModule(nn.Module):
         )
         self._fallback_reason = reason
         self._repeat = None  # its shortcut would run a plan
+        self._fast = None  # (it ran that _repeat's plan)
 
     def _mutates_state(
         self,

@@ -76,8 +76,14 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     fn = _madvise()
     if fn is None:
         return False
-    st = t.untyped_storage()
-    lo, n = huge_range(st.data_ptr(), st.nbytes())
+    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
+        # the tensor's own bytes (inside its storage), without making the storage's Python
+        # object: once made, it holds the storage for good, and a recycled output
+        # (runtime/shortcut.cpp's Recycler) could never be told free again
+        lo, n = huge_range(t.data_ptr(), t.numel() * t.element_size())
+    else:
+        st = t.untyped_storage()
+        lo, n = huge_range(st.data_ptr(), st.nbytes())
     if n == 0:
         return False
     return fn(lo, n, MADV_HUGEPAGE) == 0

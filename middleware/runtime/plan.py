@@ -22,6 +22,7 @@ import torch
 from ..backends.interface import Unit, held_inputs, node_unit, to_tensor, users_tensor
 from ..enums import RunsAs
 from ..graph import PARAM_SOURCES, Graph, map_tree
+from . import shortcut
 from .memory import plan_memory as make_memory_plan
 from .native import NativeProgram, not_native, same_values
 from .native import record as record_native
@@ -224,6 +225,15 @@ class Plan:
         else:
             self._note_native("the plan has no buffer plan or more than one output")
 
+    def use_native_call(self) -> None:
+        """The outputs' pools in C++ from the start (runtime/shortcut.cpp's Recycler: the
+        module's C++ call takes from them), where the extension is loaded; else its build
+        starts, and the module's call hands the pools over later."""
+        ext = shortcut.extension()
+        if ext is not None and self._native is not None:
+            for pool in self.recycled:
+                pool.adopt(ext)
+
     @property
     def may_run_native(self) -> bool:
         """A native program runs this plan or may, once recorded (not refused)."""
@@ -309,6 +319,7 @@ def build_plan(
     check_memory: bool | None = None,
     huge_pages: bool = False,
     native: Any = None,
+    native_call: bool = False,
 ) -> Plan:
     """Assemble a plan from ``units`` in execution order; without them every node runs on
     its own through the framework. ``plan_memory``: run it through the buffer planner
@@ -319,7 +330,8 @@ def build_plan(
     ``huge_pages``: the planner's long-lived CPU buffers ask for 2 MiB pages
     (``Options.huge_pages``, runtime/pages.py). ``native``: the cache folder of the native
     runner's C loop, to run a CPU plan as one C call where it allows (runtime/native.py;
-    ``Options.native_runner``), or None."""
+    ``Options.native_runner``), or None. ``native_call``: such a plan's outputs come from
+    the C++ call's pools (runtime/shortcut.py; ``Options.native_call``) where it is built."""
     slot_of: dict[str, int] = {}
 
     def slot(v: str) -> int:
@@ -407,6 +419,8 @@ def build_plan(
             plan.use_memory_plan(planned)
             if native_cpu:
                 plan.use_native(native)
+                if native_call:
+                    plan.use_native_call()
             elif why_not:
                 plan._note_native(why_not)
         except Exception as e:  # noqa: BLE001 - a planner bug must not break optimize()

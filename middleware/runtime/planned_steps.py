@@ -10,6 +10,7 @@ its outputs landed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -234,9 +235,24 @@ class Recycled:
         # once: the per-call check is three cheap queries, not a new storage object
         self.kept: list[tuple[tuple[torch.Tensor, Any, int], tuple[int, int, int]]] = []
         self.next = 0  # the kept buffer a new allocation replaces
+        # the C++ pool (runtime/shortcut.cpp's Recycler) once adopted: both the module's C++
+        # call and the Python steps take from it
+        self.fast: Any = None
+
+    def adopt(self, extension: Any) -> Any:
+        """Hand the pool to ``extension``'s Recycler (the same rules, checked in C++: the
+        storage's use count, address and size) and return it. The buffers kept so far are
+        let go (those the user holds stay the user's); the C++ pool starts empty. Called
+        under the plan's lock, so no call takes a buffer meanwhile."""
+        if self.fast is None:
+            self.fast = extension.Recycler(functools.partial(self.allocate, self.type), self.KEEP)
+            self.kept = []
+        return self.fast
 
     def buffers(self) -> list[torch.Tensor]:
         """The buffers kept (each also in the hands of the user or free for the next call)."""
+        if self.fast is not None:
+            return self.fast.buffers()
         return [held[0] for held, _ in self.kept]
 
     def _state(self, held: tuple[torch.Tensor, Any, int]) -> tuple[int, int, int]:
@@ -254,6 +270,8 @@ class Recycled:
         (an output is an inference tensor exactly when eager's would be); a free one of
         the other mode is replaced by a new one of this mode (the first call under
         ``torch.inference_mode()`` after one outside it: one buffer, not one a mode)."""
+        if self.fast is not None:
+            return self.fast.take()
         mode = _inference_mode()
         use_count = self._use_count
         spare = -1

@@ -30,6 +30,11 @@ def registrations() -> int:
     return _registrations[0]
 
 
+def registration_cell() -> list[int]:
+    """The list whose one item is :func:`registrations` (the C++ call reads it in place)."""
+    return _registrations
+
+
 def install_registration_hooks() -> None:
     """Count every registration of a parameter, buffer or submodule (once per process)."""
     global _hooks_installed
