@@ -507,10 +507,6 @@ def steps(model_name: str, batch: int, repeats: int) -> None:
     sys.stdout.flush()
 
 
-if __name__ == "__main__":
-    main()
-
-
 def call(rounds: int, flush_mib: int) -> None:
     """``--mode call``: the call path around the native program, cold and warm."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -579,3 +575,7 @@ def _call_engines(
 
 
 _CALLS = ("C++ call", "Python call", "run_native", "program(out)", "no-op")
+
+
+if __name__ == "__main__":
+    main()
