@@ -150,8 +150,8 @@ class Options:
     # steps); report() says where it does not and why. Default: $MIDDLEWARE_NATIVE_RUNNER
     # (unset: on).
     native_runner: bool = dataclasses.field(default_factory=native_runner_default)
-    # On CPU, an inference call whose plan runs natively is, from its second call, one C++
-    # function (runtime/shortcut.cpp: the call's checks, the output buffer and the native
+    # On CPU, an inference call whose plan runs natively is, from its third call (the
+    # second makes it), one C++ function (runtime/shortcut.cpp: the call's checks, the output buffer and the native
     # program), built once per cache folder in a background thread. Default:
     # $MIDDLEWARE_NATIVE_CALL (unset: on).
     native_call: bool = dataclasses.field(default_factory=native_call_default)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import random
+import warnings
 import weakref
 
 import pytest
@@ -241,9 +242,11 @@ class _Residual(nn.Module):
 @pytest.mark.parametrize("seed", range(4))
 def test_random_shapes_and_layouts_equal_eager(seed: int, call_path: str) -> None:
     """Random sizes and layouts, outputs held or dropped at random: every call equals
-    eager, and a held output is never written by a later call."""
+    eager, and a held output is never written by a later call (seeds 0 and 2 draw
+    outputs above 256 KiB: the recycled pool)."""
     rng = random.Random(seed)
-    n, c, h, w = rng.randint(1, 3), rng.randint(1, 40), rng.randint(1, 40), rng.randint(1, 40)
+    # outputs of 4 KB to 3 MB: allocated per call below Recycled.MIN_BYTES, pooled above
+    n, c, h, w = rng.randint(1, 3), rng.randint(1, 64), rng.randint(8, 64), rng.randint(8, 64)
     fmt = rng.choice([torch.contiguous_format, torch.channels_last])
     model = _Residual().eval()
     om = middleware.optimize(model, device="cpu")
@@ -269,3 +272,82 @@ def test_the_extension_reports_why_it_is_missing(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
     assert shortcut.extension(wait=True) is None
     assert "could not be built" in shortcut.why_not()
+
+
+def test_a_trace_steps_aside(call_path: str) -> None:
+    """Inside a TorchScript trace the C++ call returns None (the Python path decides).
+    Two of its checks see a trace: the tracing state and the thread's dispatch keys (the
+    tracer's); this test fails only where both are gone."""
+    m, om, x = _ready(call_path)
+    fast = om._fast
+    seen: list = []
+
+    def probe(t: torch.Tensor) -> torch.Tensor:
+        if fast is not None:
+            seen.append(fast((t,)))
+        return t * 2.0
+
+    torch.jit.trace(probe, (x,), check_trace=False)
+    assert seen == ([None] if fast is not None else [])
+
+
+def test_the_latest_plan_is_the_one_that_ran(call_path: str) -> None:
+    """A training call then an inference call: report() and .plan describe the inference
+    plan again (the C++ call sets it as the Python path does)."""
+    m = reinit(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)), 1)
+    x = torch.randn(2, 3, 16, 16)
+    om = middleware.optimize(m.eval(), example_inputs=(x,), measure_hardware=False)
+    with torch.no_grad():
+        for _ in range(3):
+            om(x)
+    inference = om._latest
+    for round_ in range(2):
+        om.train()  # no batch norm: training leaves the weights as they were
+        om(x).sum().backward()  # (the first builds the training plan, a new weight snapshot)
+        assert om._latest is not inference
+        om.eval()
+        fast = om._fast
+        with torch.no_grad():
+            _close(om(x), m(x))
+            assert om._latest is inference
+            if round_ == 1 and call_path == "c++":  # that call was the C++ one
+                assert fast is om._fast and fast((x,)) is not None
+            for _ in range(2):  # the C++ call made again for the new snapshot
+                om(x)
+        if call_path == "c++":
+            assert any(n.startswith("call: one C++") for n in om.report().notes)
+
+
+def test_an_input_refusing_its_address_is_no_crash(call_path: str) -> None:
+    """An input whose data pointer PyTorch refuses (the C++ call must not let the C++
+    exception out): the Python path answers, with the original model."""
+    m, om, x = _ready(call_path)
+    x2 = x.clone()
+    torch._C._set_throw_on_mutable_data_ptr(x2)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _close(om(x2), m(x))
+
+
+def test_a_failing_output_allocation_raises_its_own_error(call_path: str) -> None:
+    """An allocation error inside the C++ call reaches the caller as itself (not as an
+    error about the lock's release), and the plan's lock is free afterwards."""
+    from middleware.graph import TensorType
+    from middleware.runtime.planned_steps import Recycled
+
+    _, om, x = _ready(call_path)
+    ext = shortcut.extension()
+    if ext is None or call_path != "c++":
+        return
+
+    def fail(t: TensorType) -> torch.Tensor:
+        raise MemoryError("no memory for the test")
+
+    pool = Recycled(TensorType((2, 4, 8, 8)), torch.device("cpu"), fail)
+    fast = om._shortcut_of(
+        ext, om._repeat, (x,), pool, om.plan.native, om._weights, om._training_dicts
+    )
+    with torch.no_grad(), pytest.raises(MemoryError, match="no memory for the test"):
+        fast((x,))
+    assert om.plan._busy.acquire(False)
+    om.plan._busy.release()

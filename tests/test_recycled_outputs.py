@@ -80,6 +80,8 @@ def test_held_outputs_are_never_overwritten(layout: str) -> None:
     for how, obj, read, want in held:
         assert torch.equal(read(obj).reshape(want.shape), want), how
     assert reused >= 10  # memory was reused while other outputs were held
+    fast = "native_call=True" in repr(opt.options)
+    assert (opt._fast is not None) == fast  # the C++ call served where it was asked for
 
 
 def test_dropped_output_memory_is_reused() -> None:
@@ -106,6 +108,28 @@ def test_shared_memory_output_is_not_reused() -> None:
         opt(*[x * 3 for x in xs])
     assert torch.equal(torch.empty(0).set_(st, 0, want.shape, want.stride()), want)
     assert st.data_ptr() == ptr
+
+
+@pytest.mark.parametrize("move", ["share_memory_", "resize_"])
+def test_moved_output_memory_is_never_handed_out_again(move: str) -> None:
+    """An output whose storage moved (to a shared-memory file another process may map, or
+    resized) and then dropped by the user: its buffer's address tells, not its references."""
+    model, xs = _model_and_inputs("nchw")
+    opt = middleware.optimize(model, example_inputs=xs)
+    for _ in range(3):  # the C++ call where call_path says so
+        opt(*xs)
+    y = opt(*xs)
+    if move == "share_memory_":
+        y.share_memory_()
+    else:
+        y.resize_(y.numel() * 2)
+    moved = y.data_ptr()
+    del y
+    for _ in range(4):
+        z = opt(*xs)
+        assert z.data_ptr() != moved
+        assert torch.equal(z, model(*xs))
+        del z
 
 
 def test_small_outputs_and_other_devices_are_left_to_the_allocator() -> None:

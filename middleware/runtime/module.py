@@ -153,7 +153,9 @@ class OptimizedModule(nn.Module):
         call's kind, inference, current weights and a plan that runs as one C call. It
         takes four Python frames and the gradient-mode switch fewer than ``forward``'s
         path: 35-60 us on a cold cache (the previous layer's data evicted the
-        interpreter's), a tenth of a 22 MB fused kernel's time."""
+        interpreter's), a tenth of a 22 MB fused kernel's time. The call after it that
+        succeeds makes the same shortcut one C++ function (``_fast``,
+        runtime/shortcut.cpp: about 20 us cold), tried first from then on."""
         fast = self._fast
         if fast is not None and not kwargs:
             # every test below and the native program's run as one C++ call
@@ -200,7 +202,9 @@ class OptimizedModule(nn.Module):
                             return self._run_failed(inputs, repeat.sig, e)
                     if out is not None:
                         self.__dict__["_latest"] = repeat.entry
-                        if fast is None or fast.repeat is not repeat:
+                        if fast is None or fast.repeat is not repeat or fast.weights is not weights:
+                            # (a new snapshot of unchanged weights keeps the plans and the
+                            # guard: the C++ call, tied to the old one, is made again)
                             self._make_fast(repeat, inputs)
                         return out
                     if not repeat.entry.plan.may_run_native:  # refused: no more tries
@@ -387,14 +391,17 @@ class OptimizedModule(nn.Module):
         plan = getattr(self._latest, "plan", None)
         if not isinstance(plan, Plan) or plan.native is None:
             return ""
-        fast = self._fast
-        if fast is not None and fast.repeat is self._repeat and self._repeat.entry is self._latest:
+        fast, repeat = self._fast, self._repeat
+        if fast is not None and fast.repeat is repeat and repeat.entry is self._latest:
             return "call: one C++ function (checks, output buffer and native program)"
-        why = (
-            "off (Options.native_call)"
-            if not self.options.native_call
-            else self._fast_why or _shortcut.why_not()
-        )
+        if not self.options.native_call:
+            why = "off (Options.native_call)"
+        elif self._fast_refused is not None and self._fast_refused is repeat:
+            why = self._fast_why or _shortcut.why_not() or "this plan's call cannot be one"
+        elif _shortcut.why_not():
+            why = _shortcut.why_not()
+        else:
+            why = "made by the next repeated call"
         return f"call: the Python shortcut; the C++ call: {why}"
 
     def _model_report(self, reason: str, note: str) -> Report:
@@ -488,16 +495,22 @@ class OptimizedModule(nn.Module):
             return
         ext = _shortcut.extension()
         if ext is None:
+            if _shortcut.failed():  # not while it builds: a later call tries again
+                self._fast_refused = repeat
             return
         with self._compile_lock:
             if self.__dict__.get("_repeat") is not repeat:
                 return  # replaced meanwhile (another thread)
             self._fast_refused = repeat  # unless made below
+            self._fast_why = ""
             plan = repeat.entry.plan
             native = plan.native
             weights, dicts = self._weights, self._training_dicts
-            if native is None or weights is None or dicts is None or not weights.current():
+            if dicts is None:
+                self._fast_why = "a module's class defines its training flag itself"
                 return
+            if native is None or weights is None or not weights.current():
+                return  # changed meanwhile (another thread): the next call decides
             pool = getattr(native.output_source, "__self__", None)
             with plan._busy:  # no call takes an output meanwhile
                 try:

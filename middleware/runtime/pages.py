@@ -78,8 +78,8 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
     if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
         # the tensor's own bytes (inside its storage), without making the storage's Python
-        # object: once made, it holds the storage for good, and a recycled output
-        # (runtime/shortcut.cpp's Recycler) could never be told free again
+        # object: once made, it lives as long as the storage, and a new buffer with one is
+        # never kept by the C++ output pool (runtime/shortcut.cpp's Recycler)
         lo, n = huge_range(t.data_ptr(), t.numel() * t.element_size())
     else:
         st = t.untyped_storage()

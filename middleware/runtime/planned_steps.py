@@ -209,6 +209,9 @@ class Recycled:
 
     A plan runs its planned steps under a lock (``Plan.run``), so two threads never take
     the same buffer. At most ``KEEP`` outputs stay allocated after the user dropped them.
+    Where the module's call is one C++ function, the pool is the extension's
+    (``adopt``): the same rules on the storage's C++ use count (and, where its Python
+    object exists, that object's references), address and size.
     """
 
     KEEP = 2
@@ -243,7 +246,7 @@ class Recycled:
         """Hand the pool to ``extension``'s Recycler (the same rules, checked in C++: the
         storage's use count, address and size) and return it. The buffers kept so far are
         let go (those the user holds stay the user's); the C++ pool starts empty. Called
-        under the plan's lock, so no call takes a buffer meanwhile."""
+        while the plan is built or under its lock, so no call takes a buffer meanwhile."""
         if self.fast is None:
             self.fast = extension.Recycler(functools.partial(self.allocate, self.type), self.KEEP)
             self.kept = []

@@ -33,16 +33,19 @@ namespace {
 // storage's own (nobody in Python holds it). And its memory must still be where it was
 // (share_memory_() and resize_() move it). shortcut.py checks these rules on the loaded
 // PyTorch before any plan uses the pool (protocol_ok).
+bool unshared(const c10::Storage& st) {
+  PyObject* py = st.unsafeGetStorageImpl()->pyobj_slot()->load_pyobj();
+  if (py == nullptr) return st.use_count() == 1;
+  return st.use_count() == 2 && Py_REFCNT(py) == 1;
+}
+
 struct Kept {
   at::Tensor buffer;  // never handed out: only its storage is shared
   const void* data;
   size_t nbytes;
   bool free() const {
     const c10::Storage& st = buffer.storage();
-    if (st.data() != data || st.nbytes() != nbytes) return false;
-    PyObject* py = st.unsafeGetStorageImpl()->pyobj_slot()->load_pyobj();
-    if (py == nullptr) return st.use_count() == 1;
-    return st.use_count() == 2 && Py_REFCNT(py) == 1;
+    return st.data() == data && st.nbytes() == nbytes && unshared(st);
   }
 };
 
@@ -87,7 +90,7 @@ PyObject* recycler_take(Recycler* r) {
   at::Tensor mine = THPVariable_Unpack(fresh);
   Py_DECREF(fresh);
   const c10::Storage& st = mine.storage();
-  if (st.use_count() != 1) return hand_out(mine);  // shared already: never kept
+  if (!unshared(st)) return hand_out(mine);  // shared already: never kept
   Kept entry{mine, st.data(), st.nbytes()};
   if (spare >= 0) {
     kept[spare] = entry;
@@ -233,8 +236,9 @@ bool guard_ok(const InputGuard& g, PyObject* obj) {
 bool empty_dict(PyObject* d) { return d != nullptr && PyDict_Check(d) && PyDict_GET_SIZE(d) == 0; }
 
 // Everything the Python shortcut checks before it runs the plan; false: take that path.
-bool checks_pass(Shortcut* s, PyObject* inputs) {
+bool checks_pass_or_throw(Shortcut* s, PyObject* inputs) {
   PyObject* md = s->module_dict;
+  if (md == nullptr) return false;  // cleared by the garbage collector
   if (PyDict_GetItem(md, s_repeat) != s->repeat || PyDict_GetItem(md, s_weights) != s->weights ||
       PyDict_GetItem(md, s_fallback_reason) != Py_None)
     return false;
@@ -271,6 +275,30 @@ bool checks_pass(Shortcut* s, PyObject* inputs) {
   return tracing == Py_None;
 }
 
+bool checks_pass(Shortcut* s, PyObject* inputs) {
+  try {
+    return checks_pass_or_throw(s, inputs);
+  } catch (const std::exception&) {  // a tensor refusing a query: the Python path decides
+    return false;
+  }
+}
+
+// The lock's release, keeping an error this call already raised.
+bool release_lock(Shortcut* s) {
+  PyObject *type, *value, *trace;
+  PyErr_Fetch(&type, &value, &trace);
+  PyObject* released = PyObject_CallNoArgs(s->release);
+  if (released == nullptr) {
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(trace);
+    return false;
+  }
+  Py_DECREF(released);
+  PyErr_Restore(type, value, trace);
+  return true;
+}
+
 PyObject* shortcut_call(Shortcut* s, PyObject* inputs) {
   if (!checks_pass(s, inputs)) Py_RETURN_NONE;
   PyObject* got = PyObject_CallOneArg(s->acquire, Py_False);
@@ -289,26 +317,36 @@ PyObject* shortcut_call(Shortcut* s, PyObject* inputs) {
     }
   }
   int rc = 0;
+  bool refused = false;  // an input or the output refused its address: the Python path
   if (out != nullptr) {
     std::vector<intptr_t>& slots = *s->slots;
     const Py_ssize_t k = PyTuple_GET_SIZE(inputs);
-    for (Py_ssize_t i = 0; i < k; ++i)
-      slots[i] = reinterpret_cast<intptr_t>(THPVariable_Unpack(PyTuple_GET_ITEM(inputs, i)).data_ptr());
-    slots[k] = reinterpret_cast<intptr_t>(THPVariable_Unpack(out).data_ptr());
-    const run_fn run = s->run;
-    const void* steps = s->steps;
-    const int n = s->n;
-    const intptr_t* sl = slots.data();
-    Py_BEGIN_ALLOW_THREADS rc = run(steps, n, sl);
-    Py_END_ALLOW_THREADS
+    try {
+      for (Py_ssize_t i = 0; i < k; ++i)
+        slots[i] = reinterpret_cast<intptr_t>(
+            THPVariable_Unpack(PyTuple_GET_ITEM(inputs, i)).data_ptr());
+      slots[k] = reinterpret_cast<intptr_t>(THPVariable_Unpack(out).data_ptr());
+    } catch (const std::exception&) {
+      refused = true;
+    }
+    if (!refused) {
+      const run_fn run = s->run;
+      const void* steps = s->steps;
+      const int n = s->n;
+      const intptr_t* sl = slots.data();
+      Py_BEGIN_ALLOW_THREADS rc = run(steps, n, sl);
+      Py_END_ALLOW_THREADS
+    }
   }
-  PyObject* released = PyObject_CallNoArgs(s->release);
-  if (released == nullptr) {
+  if (!release_lock(s)) {
     Py_XDECREF(out);
     return nullptr;
   }
-  Py_DECREF(released);
   if (out == nullptr) return nullptr;
+  if (refused) {
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+  }
   if (rc != 0) {
     Py_DECREF(out);
     PyObject* name = rc - 1 < PyTuple_GET_SIZE(s->names) ? PyTuple_GET_ITEM(s->names, rc - 1) : Py_None;
@@ -432,6 +470,7 @@ PyObject* Shortcut_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(inputs); ++i) {
     PyObject* obj = PyTuple_GET_ITEM(inputs, i);
     const at::Tensor& t = THPVariable_Unpack(obj);
+    Py_INCREF(Py_TYPE(obj));  // held: a freed type's address must never match again
     s->guards->push_back(InputGuard{Py_TYPE(obj), t.scalar_type(), t.device(),
                                     t.sizes().vec(), t.strides().vec(), t.requires_grad(),
                                     t.key_set().raw_repr()});
@@ -480,6 +519,8 @@ int Shortcut_traverse(Shortcut* s, visitproc visit, void* arg) {
   Py_VISIT(s->names);
   Py_VISIT(s->output);
   Py_VISIT(s->keep);
+  if (s->guards != nullptr)
+    for (const InputGuard& g : *s->guards) Py_VISIT(reinterpret_cast<PyObject*>(g.type));
   return 0;
 }
 
@@ -497,6 +538,10 @@ int Shortcut_clear(Shortcut* s) {
   Py_CLEAR(s->names);
   Py_CLEAR(s->output);
   Py_CLEAR(s->keep);
+  if (s->guards != nullptr) {  // no call after a clear: the guards go with their types
+    for (const InputGuard& g : *s->guards) Py_DECREF(reinterpret_cast<PyObject*>(g.type));
+    s->guards->clear();
+  }
   return 0;
 }
 
@@ -515,6 +560,8 @@ void Shortcut_dealloc(Shortcut* s) {
 PyMemberDef Shortcut_members[] = {
     {"repeat", T_OBJECT_EX, offsetof(Shortcut, repeat), READONLY,
      "the module's _Repeat this call serves"},
+    {"weights", T_OBJECT_EX, offsetof(Shortcut, weights), READONLY,
+     "the module's WeightSnapshot this call serves"},
     {nullptr, 0, 0, 0, nullptr}};
 
 PyTypeObject ShortcutType = {PyVarObject_HEAD_INIT(nullptr, 0)};

@@ -190,11 +190,19 @@ def build_dir() -> Path:
     return Path(env) if env else default_cache_dir()
 
 
+_ENV = ("MIDDLEWARE_EXTENSION_DIR", "MIDDLEWARE_CACHE_DIR", "XDG_CACHE_HOME")
+_default: list = [None, None]  # (the environment it was resolved under, its state)
+
+
 def extension(wait: bool = False, where: Path | None = None) -> ModuleType | None:
     """The loaded extension, or None while it builds (in a background thread, started by
     the first call) or where it cannot be built (:func:`why_not`). ``wait``: block until
     the build is done. ``where``: the kernel cache folder to build in (default
     :func:`build_dir`)."""
+    if where is None and not wait:  # the per-call path: no folder resolved again
+        env = tuple(map(os.environ.get, _ENV))
+        if _default[0] == env and _default[1].done.is_set():
+            return _default[1].module
     cache_dir = Path(where) if where is not None else build_dir()
     key = str(cache_dir)
     state = _states.get(key)
@@ -215,9 +223,17 @@ def extension(wait: bool = False, where: Path | None = None) -> ModuleType | Non
                     )
                     state.thread.start()
                 _states[key] = state
+    if where is None:
+        _default[:] = [tuple(map(os.environ.get, _ENV)), state]
     if wait:
         state.done.wait()
     return state.module
+
+
+def failed() -> bool:
+    """The default extension's build is over and it is not loaded (:func:`why_not`)."""
+    state = _states.get(str(build_dir()))
+    return state is not None and state.done.is_set() and state.module is None
 
 
 def why_not(where: Path | None = None) -> str:
