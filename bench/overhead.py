@@ -128,7 +128,9 @@ def main() -> None:
     parser.add_argument("--nets", default="mobilenet_v3_small,shufflenet_v2_x1_0,mobilenet_v2")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument(
-        "--lever", default="gemm1x1", help="--mode ab: gemm1x1, dw_generated, onednn_primitives"
+        "--lever",
+        default="gemm1x1",
+        help="--mode ab: gemm1x1, dw_generated, onednn_primitives, native_call",
     )
     args = parser.parse_args()
     if args.threads:
@@ -424,7 +426,14 @@ def _lever(name: str) -> tuple[Any, str, Any, Any]:
         return units, "GENERATED_DEPTHWISE_MAX_BATCH", 0, 1
     if name == "onednn_primitives":  # an optimize() option: module None
         return None, "onednn_primitives", False, True
-    raise SystemExit(f"unknown lever {name!r}: gemm1x1, dw_generated, onednn_primitives")
+    if name == "native_call":  # the call as one C++ function (runtime/shortcut.cpp)
+        from middleware.runtime import shortcut
+
+        shortcut.extension(wait=True)  # built before anything is timed
+        return None, "native_call", False, True
+    raise SystemExit(
+        f"unknown lever {name!r}: gemm1x1, dw_generated, onednn_primitives, native_call"
+    )
 
 
 def ab(nets: list[str], batches: list[int], lever: str = "gemm1x1") -> None:
