@@ -56,21 +56,26 @@ from ..x86.render import environment
 from . import onednn
 from .calls import _conv_geometry, activation_attrs, holds_constants
 
-# When a convolution runs as Winograd (else oneDNN's direct call). Measured on the 2-core
-# AVX-512 host (torch 2.14.1), ReLU epilogue, against the prepacked oneDNN call, with an
-# 8 MiB workspace: batch 16: 64->64 @224 2.4x, 128->128 @112 2.3x, 256->256 @56 2.5x,
-# 512->512 @28 2.3x, 256->256 @14 1.4x, 512->512 @7 1.3x, 96->128 @28 1.5x; batch 1:
-# 128->128 @28 1.5x, 256->256 @14 1.35x, 64->64 @56 1.1x. Slower: 128->32 (densenet's
-# growth convs: 0.6-0.95x), 16->32 @28 0.5x, 512->512 @7 at batch 1 (4 tiles) 0.5x.
-MIN_CHANNELS = 64  # input and output channels
+# When a convolution runs as Winograd (else oneDNN's direct call), on every CPU but AMD's.
+# Measured on the Intel Xeon host (2 cores, AVX-512; session 23, the product on oneDNN's
+# matmul primitives since session 20), each conv2d layer of resnet18, vgg16, mobilenet_v2
+# and squeezenet1_1 alone with its bias and ReLU, Winograd F(4x4) over oneDNN's direct
+# primitive (`python bench/algorithms.py --net-layers --batch 1` and `--batch 16`):
+# batch 1: 128->128 @28 1.19x, @112 1.31x, 128->256 @56 1.69x, 256->256 @56 1.87x,
+# 256->512 @28 2.08x, 512->512 @28 2.44x, 512->512 @14 1.09x, 64->128 @112 1.12x; slower:
+# 64->64 @56 0.74x and @224 0.88x, 256->256 @14 0.91x (196 pixels), 512->512 @7 0.85x;
+# batch 16: 128->128 @28 1.26-1.50x, 256->256 @14 1.33-1.45x, 512->512 @7 1.83-2.00x, @14
+# 1.52x, @28 2.08x, 256->512 @28 1.53x, 256->256 @56 1.37x, 128->128 @112 1.13x, 64->128
+# @112 1.05x; slower: 64->64 @56 0.73-0.92x and @224 0.73x, squeezenet's 16->64, 32->128,
+# 48->192 and 64->256 0.64-0.85x. So: at least 128 input and output channels over at least
+# 784 output pixels (N * OH * OW). Whole networks against the rule before (64 channels over
+# 2048 pixels, measured with torch.bmm's product), one process, interleaved, caches evicted
+# between calls: batch 1 vgg16 0.82x, resnet18 0.97x, the others within 1%; batch 16
+# resnet18 0.92x, resnet50 0.95x, inception_v3 0.97x, googlenet 0.97x, vgg16 0.96x.
+# U holds 4x the weight (36 against 9 values per channel pair): 108 * C * K extra bytes.
+MIN_CHANNELS = 128  # input and output channels
 CHANNEL_MULTIPLE = 16  # the transforms' SIMD block (one AVX-512 register)
-# Output pixels per call (N * OH * OW). U holds 4x the weight (36 against 9 values per
-# channel pair): 108 * C * K extra bytes, while the time saved grows with the pixels (about
-# 0.5 us per pixel per extra MiB at the measured 2.2x); below 2048 pixels a layer would
-# spend more than 1 MiB of weights per millisecond saved. A memory-for-speed choice:
-# resnet18 at batch 16 with its 7x7 512-channel layers as Winograd held 153 MiB of
-# parameters (the original 45) and ran in 182 ms; without them, 72 MiB and 237 ms.
-MIN_PIXELS = 2048
+MIN_PIXELS = 784  # output pixels per call (N * OH * OW)
 # The rule on AMD: (min channels, min output pixels) pairs, any of which admits a layer.
 # Measured on the AMD EPYC (Zen 5) host against oneDNN's primitives, two threads, ReLU
 # epilogue, single layers through optimize() (session 20, after the product moved from
