@@ -102,12 +102,11 @@ def tree_close():
 
 @pytest.fixture
 def winograd_generic_rule(monkeypatch):
-    """The default's Winograd rule of every CPU but AMD's (``winograd.MIN_CHANNELS`` and
-    ``MIN_PIXELS``, which tests lower to reach small layers) on whatever host runs the
-    tests: the AMD rule has tests of its own (test_winograd.py)."""
+    """A test rule: the default's Winograd rule of every CPU but AMD's on whatever host
+    runs the tests (the AMD rule has tests of its own, test_winograd.py), with 64 channels
+    instead of the shipped 128 so that the tests' small networks, whose layers have 64
+    channels, reach Winograd (tests lower ``MIN_PIXELS`` themselves)."""
     from middleware.backends.vendor import winograd
 
     monkeypatch.setattr(winograd, "AMD_RULE", ())
-    # the tests' small networks have 64-channel layers: 64 channels, as the rule was before
-    # session 23's Intel measurement, reaches them (tests lower MIN_PIXELS themselves)
     monkeypatch.setattr(winograd, "MIN_CHANNELS", 64)

@@ -122,8 +122,8 @@ SLICED_AND_WINOGRAD = ("vgg16", "resnet18")
 @pytest.mark.usefixtures("winograd_generic_rule")  # Winograd in the network on any host
 def test_network_at_batch_16_matches_pytorch(name: str) -> None:
     """The benchmarked batch: batch slicing ("auto") and Winograd (on) as optimize() picks
-    them by the generic rule (the AMD rule picks none of resnet18's layers), the plan's
-    outputs against PyTorch."""
+    them by the tests' generic rule (conftest.winograd_generic_rule: 64 channels, so
+    resnet18's layer1 too), the plan's outputs against PyTorch."""
     make, size = NETWORKS[name]
     torch.manual_seed(0)
     model = nondegenerate(make())

@@ -334,7 +334,7 @@ def test_vendor_algorithms_default_is_winograd_by_rule_then_the_direct_call(monk
         ((16, 256, 28, 28), 512, True, True),  # vgg16's 256->512 @28: Winograd on both
         ((4, 128, 112, 112), 128, True, True),
         ((16, 64, 56, 56), 64, False, True),  # resnet18's 64 @56: 64 channels, AMD only
-        ((16, 512, 14, 14), 512, True, True),  # 3136 pixels
+        ((16, 512, 14, 14), 512, True, True),  # 512 channels over 3136 pixels: both
         ((1, 128, 28, 28), 128, True, True),  # 784 pixels, 128 channels: both
         ((16, 96, 28, 28), 128, False, True),  # 96 input channels: AMD only
         ((1, 512, 14, 14), 512, False, True),  # 196 pixels: >= 196 on AMD

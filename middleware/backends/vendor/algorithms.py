@@ -708,7 +708,7 @@ GEMV_ONE_ROW_REASON = (
     "F.linear and oneDNN's linear there (AMD EPYC host, 2 threads, 576->1024 to "
     "25088->4096: 0.025 vs 0.036 ms .. 9.7 vs 14.1 ms; oneDNN 10.7; on the Intel Xeon host "
     "whole networks at batch 1 with the weights from memory, against the same plan with "
-    "F.linear: alexnet 0.94x, vgg16 0.91x, resnet18 0.90x); from 2 rows oneDNN's "
+    "F.linear: alexnet 0.94x, vgg16 0.91x); from 2 rows oneDNN's "
     "is (4 rows, 9216->4096: 3.4 ms against the GEMV's 4.9)"
 )
 

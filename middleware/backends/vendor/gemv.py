@@ -71,13 +71,15 @@ def stream_form(hardware: Hardware, out_f: int) -> dict[str, Any]:
     one row, two threads, the Intel Xeon host (triad 20 GB/s), interleaved, 7.7 ms
     against 13.4 one row at a time with one non-temporal prefetch per 256 bytes (the AMD
     form), 8.5 with every line into L1, F.linear (MKL) 7.3. On AMD the form measured
-    there (session 13: 1.4-2x F.linear, whose MKL takes its AVX2 path on AMD)."""
+    there (session 13: 1.4-2x F.linear, whose MKL takes its AVX2 path on AMD). Without
+    AVX-512 one row of W at a time (16 accumulators of 16 floats need its 32 vector
+    registers). The per-output sum of the accumulators is a tree on every CPU."""
     if hardware.amd:
         return dict(wrows=[1] * NB, PREFETCH=16 * 64, PF_HINT=0, PF_EVERY=U * 16)
     wrows = []
     for r in range(1, NB + 1):
         # at most 16 accumulators (of 32 vector registers): 4 rows of W at one row of x
-        k = max(1, 16 // (r * U))
+        k = max(1, 16 // (r * U)) if hardware.simd_bytes >= 64 else 1
         while out_f % k:
             k //= 2
         wrows.append(k)

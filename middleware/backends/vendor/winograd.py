@@ -58,9 +58,10 @@ from .calls import _conv_geometry, activation_attrs, holds_constants
 
 # When a convolution runs as Winograd (else oneDNN's direct call), on every CPU but AMD's.
 # Measured on the Intel Xeon host (2 cores, AVX-512; session 23, the product on oneDNN's
-# matmul primitives since session 20), each conv2d layer of resnet18, vgg16, mobilenet_v2
-# and squeezenet1_1 alone with its bias and ReLU, Winograd F(4x4) over oneDNN's direct
-# primitive (`python bench/algorithms.py --net-layers --batch 1` and `--batch 16`):
+# matmul primitives since session 20), each conv2d layer alone with its bias and ReLU,
+# Winograd F(4x4) over oneDNN's direct primitive (`python bench/algorithms.py
+# --net-layers --nets resnet18,vgg16 --batch 1`, and `--batch 16` over resnet18, vgg16,
+# mobilenet_v2 and squeezenet1_1; bench/results/algorithms_layers_s23_intel_b*.md):
 # batch 1: 128->128 @28 1.19x, @112 1.31x, 128->256 @56 1.69x, 256->256 @56 1.87x,
 # 256->512 @28 2.08x, 512->512 @28 2.44x, 512->512 @14 1.09x, 64->128 @112 1.12x; slower:
 # 64->64 @56 0.74x and @224 0.88x, 256->256 @14 0.91x (196 pixels), 512->512 @7 0.85x;

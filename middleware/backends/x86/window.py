@@ -1255,6 +1255,8 @@ def _difference(x: Ix, ref: Ix) -> Ix:
     if ref == Int(0):
         return x
     a, b = _opened(x), _opened(ref)
+    if not (_affine(a) and _affine(b)):
+        return Op("sub", (x, ref))  # (sampling proves a constant difference of sums only)
     names = sorted(variables(a) | variables(b))
     rng = np.random.default_rng(0)
     diffs = set()
@@ -1264,6 +1266,15 @@ def _difference(x: Ix, ref: Ix) -> Ix:
     if len(diffs) == 1:
         return Int(diffs.pop())
     return Op("sub", (x, ref))
+
+
+def _affine(x: Ix) -> bool:
+    """``x`` is built of sums, differences, negations and products by numbers only."""
+    if isinstance(x, Op):
+        if x.op == "mul" and sum(not isinstance(a, Int) for a in x.args) > 1:
+            return False
+        return x.op in ("add", "sub", "neg", "mul") and all(_affine(a) for a in x.args)
+    return True
 
 
 def _opened(x: Ix) -> Ix:
