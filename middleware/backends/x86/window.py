@@ -1216,9 +1216,9 @@ __all__ = ["MAX_STACK_FLOATS", "Plan", "SeparableWriter", "plan"]
 
 def _rebased(v: VecExpr, based: dict[str, tuple[str, tuple[Ix, ...]]]) -> VecExpr:
     """``v`` addressing each buffer of ``based`` from its pointer (``row_pointers``): an
-    element at ``index`` is ``pointer[address(index - the pointer's index)]``, the
-    difference per dimension left to the C compiler to fold (``(h + 2 - 1) - (h + 0 -
-    1)`` is 2)."""
+    element at ``index`` is ``pointer[address(index - the pointer's index)]``, each
+    dimension's difference a number where it is one (``(h + 2 - 1) - (h + 0 - 1)`` is 2,
+    :func:`_difference`), the constant parts summed into one."""
     if not based:
         return v
     ident, address = v.ident, v.address
@@ -1251,20 +1251,23 @@ _START = re.compile(r"^\((\w+) \+ (\d+)\)$")
 def _difference(x: Ix, ref: Ix) -> Ix:
     """``x - ref``: ``x`` itself where ``ref`` is 0, a number where the difference is the
     same for any value of the variables (a chunk's start ``(cb_ + 16)``, as ``VecExpr``
-    names it, read as the sum it is), else the difference for the C compiler to fold."""
+    names it, read as the sum it is), else the difference for the C compiler to fold.
+    Both sums (:func:`_affine`), the difference is ``d(0) + sum_v (d(e_v) - d(0)) * v``
+    exactly: a number where every coefficient ``d(e_v) - d(0)`` is 0."""
     if ref == Int(0):
         return x
     a, b = _opened(x), _opened(ref)
     if not (_affine(a) and _affine(b)):
-        return Op("sub", (x, ref))  # (sampling proves a constant difference of sums only)
-    names = sorted(variables(a) | variables(b))
-    rng = np.random.default_rng(0)
-    diffs = set()
-    for _ in range(3):
-        env = {nm: int(rng.integers(-1000, 1000)) for nm in names}
-        diffs.add(int(evaluate(a, env)) - int(evaluate(b, env)))
-    if len(diffs) == 1:
-        return Int(diffs.pop())
+        return Op("sub", (x, ref))
+    names = variables(a) | variables(b)
+
+    def d(one: str | None) -> int:
+        env = {nm: int(nm == one) for nm in names}
+        return int(evaluate(a, env)) - int(evaluate(b, env))
+
+    at_zero = d(None)
+    if all(d(nm) == at_zero for nm in names):
+        return Int(at_zero)
     return Op("sub", (x, ref))
 
 
