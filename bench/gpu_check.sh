@@ -12,7 +12,8 @@
 #               tests run in CI without a GPU); meanwhile, memory: bench/gpu_memory.py,
 #               the peak GPU memory of the eleven networks under reduce-overhead and the
 #               middleware (weights copied / shared), each (network, mode) in a process of
-#               its own, six side by side (memory is per process; no time is taken);
+#               its own, six side by side (memory is per process; no time is taken;
+#               MW_GPU_MEMORY_MODES and MW_GPU_MEMORY_JOBS override the modes and the six);
 # 4. chain    : bench/gpu_chain.py: BN -> ReLU -> MaxPool 3x3/2 on 16x64x112x112 fp32,
 #               eager (cudnn.benchmark, NCHW/channels_last), torch.compile, middleware,
 #               and the device-to-device copy bandwidth; bench/gpu_overhead.py: the host
@@ -96,15 +97,17 @@ fi
 # 3. tests, and memory beside them (its log in tests.log too)
 MEM_S=${MW_GPU_MEMORY_S:-110}
 note "== memory (limit ${MEM_S}s, beside the tests) $(date -u +%H:%M:%S)"
-timeout -k 10 "$((MEM_S + 10))" "$PY" bench/gpu_memory.py --budget-s "$MEM_S" --jobs 6 \
+timeout -k 10 "$((MEM_S + 10))" "$PY" bench/gpu_memory.py --budget-s "$MEM_S" \
+  --jobs "${MW_GPU_MEMORY_JOBS:-6}" \
   --nets alexnet,vgg16,resnet18,resnet50,densenet121,squeezenet1_1,mobilenet_v2,mobilenet_v3_small,googlenet,inception_v3,shufflenet_v2_x1_0 \
-  --modes compile_ro,mw_graph,mw_share --out "$RES/memory.json" >>"$RES/tests.log" 2>&1 &
+  --modes "${MW_GPU_MEMORY_MODES:-compile_ro,mw_graph,mw_share}" --out "$RES/memory.json" \
+  >>"$RES/tests.log" 2>&1 &
 MEM_PID=$!
 step tests 120 "$RES/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider -o addopts= \
   -m "not slow or gpu" tests/test_cuda_gpu.py tests/test_cuda_loader.py tests/test_cuda_tiles.py
 wait "$MEM_PID"
 note "== memory rc=$? (peak MiB whole process / steady state)"
-grep "^| " "$RES/tests.log" | tail -n 13 | tee -a "$SUMMARY"
+grep -A 13 "^peak allocated" "$RES/tests.log" | tail -n 14 | tee -a "$SUMMARY"
 
 # 4. chain, and variants of its kernel (tiled / one thread per output, parts left out)
 step chain 90 "$RES/chain.log" "$PY" bench/gpu_chain.py --out "$RES/chain.json"

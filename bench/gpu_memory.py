@@ -39,6 +39,7 @@ MODES = (
     "mw_graph",
     "mw_default",
     "mw_share",
+    "mw_graph_late",
 )
 # the middleware's modes: (cuda_graphs, cuda_weights)
 MW_MODES = {
@@ -46,6 +47,9 @@ MW_MODES = {
     "mw_graph": (True, "copy"),
     "mw_default": ("auto", "copy"),
     "mw_share": (True, "share"),
+    # mw_graph with cuDNN's algorithm search on the plan's first run instead of while it
+    # is built (backends/cuda/trials.py PRETRIAL off): the A/B of that change
+    "mw_graph_late": (True, "copy"),
 }
 
 
@@ -56,6 +60,10 @@ def child(net: str, mode: str, batch: int) -> dict:
     from gpu_zoo import setup
 
     torch.backends.cudnn.benchmark = True
+    if mode == "mw_graph_late":
+        from middleware.backends.cuda import trials
+
+        trials.PRETRIAL = False
     model, x, model_cl, x_cl = setup(net, batch)
     if mode == "eager_cl":
         del model
@@ -86,12 +94,14 @@ def child(net: str, mode: str, batch: int) -> dict:
         # trial runs) or its first calls (cuDNN's benchmark trials, graph capture)
         torch.cuda.synchronize()
         build_peak = torch.cuda.max_memory_allocated()
+        build_reserved = torch.cuda.max_memory_reserved()
         built = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         for _ in range(3):
             y = fn(x)
         torch.cuda.synchronize()
         calls_peak = torch.cuda.max_memory_allocated()
+        calls_reserved = torch.cuda.max_memory_reserved()
         peak = max(build_peak, calls_peak)
         held = torch.cuda.memory_allocated() - y.numel() * y.element_size()
         # in steady state: cuDNN's benchmark-mode trials (large transient workspaces, in
@@ -103,6 +113,7 @@ def child(net: str, mode: str, batch: int) -> dict:
             y = fn(x)
         torch.cuda.synchronize()
         steady = torch.cuda.max_memory_allocated()
+        steady_reserved = torch.cuda.max_memory_reserved()
     extra = {}
     if mode in MW_MODES:  # what the plan holds beside the model's own weights
         plan = fn._latest.plan
@@ -124,6 +135,13 @@ def child(net: str, mode: str, batch: int) -> dict:
         "held_after_build_mib": round(built / 2**20, 1),
         "first_calls_peak_mib": round(calls_peak / 2**20, 1),
         "held_after_calls_mib": round(held / 2**20, 1),
+        # the allocator's reserved bytes (what the process takes from the device: blocks
+        # cached after use, CUDA-graph pools, whose freed blocks memory_allocated no longer
+        # counts, and fragmentation included): peak over the whole process, and in steady
+        # state
+        "peak_reserved_mib": round(max(build_reserved, calls_reserved) / 2**20, 1),
+        "build_reserved_mib": round(build_reserved / 2**20, 1),
+        "steady_reserved_mib": round(steady_reserved / 2**20, 1),
         "out_shape": list(y.shape),
     }
 
@@ -180,13 +198,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(rows, indent=1))
+    print("peak allocated / steady-state allocated; reserved peak / steady-state reserved (MiB)")
     print("| network | " + " | ".join(modes) + " |")
     for net in nets:
         cells = []
         for mode in modes:
             r = next((r for r in rows if r["net"] == net and r["mode"] == mode), {})
             cells.append(
-                f"{r['peak_mib']} / {r['steady_peak_mib']}"
+                f"{r['peak_mib']} / {r['steady_peak_mib']}; "
+                f"{r.get('peak_reserved_mib')} / {r.get('steady_reserved_mib')}"
                 if "peak_mib" in r
                 else str(r.get("note", "error"))
             )

@@ -236,6 +236,53 @@ def test_conv_epilogue_on_the_gpu(tmp_path):
         assert len(reasons) == 3 and all("epilogue" in r for r in reasons), reasons
 
 
+def test_cudnn_search_runs_while_the_plan_is_built(tmp_path, monkeypatch):
+    """With cudnn.benchmark on, optimize() searches every convolution problem of the plan
+    on scratch tensors (backends/cuda/trials.py) before the plan holds memory; the plan's
+    own first run then searches nothing: it allocates no more than a second run does."""
+    import middleware
+    from middleware.backends.cuda import trials
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    searched = []
+    real = trials.search_conv_algorithms
+
+    def spy(problems, device):
+        searched.append(real(problems, device))
+        return searched[-1]
+
+    monkeypatch.setattr("middleware.backends.cuda.units.search_conv_algorithms", spy)
+
+    class Convs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1 = nn.Conv2d(8, 40, 3, padding=1)
+            self.c2 = nn.Conv2d(40, 40, 3, stride=2, padding=1, groups=4)
+            self.c3 = nn.Conv2d(40, 24, 1, bias=False)
+
+        def forward(self, x):
+            return self.c3(torch.relu(self.c2(torch.relu(self.c1(x)))))
+
+    model = Convs().eval().cuda()
+    x = torch.randn(8, 8, 45, 47, device="cuda")  # shapes no earlier test searched
+    opt = middleware.optimize(
+        model, device="cuda", example_inputs=(x,), cache_dir=tmp_path, cuda_graphs=False
+    )  # built here, on x
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        peaks = []
+        for _ in range(2):
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            y = opt(x)
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+            del y
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-4)
+    assert searched and searched[0] == 3, searched
+    assert peaks[0] <= peaks[1] + 2**20, peaks
+
+
 def test_ops_without_loop_semantics_run_through_the_framework_on_the_gpu(tmp_path):
     """softmax has no loop semantics: it runs through ATen with the reason in the report,
     while the io ops around it run in generated kernels."""

@@ -4,6 +4,7 @@ PyTorch) with the kernels run by the CPU emulation, against the original model."
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -356,3 +357,123 @@ def test_cuda_weights_option_is_checked():
 
     with pytest.raises(OptionsError, match="cuda_weights='shared'.*\"share\""):
         Options(cuda_weights="shared")
+
+
+class ConvMix(nn.Module):
+    """Convolutions of several problems: with and without an epilogue (bias, BN, ReLU,
+    residual), strided, grouped, 1x1 (whose weight is contiguous in both formats)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2, bias=False)
+        self.c3 = nn.Conv2d(8, 12, 1)
+        self.c4 = nn.Conv2d(12, 12, (3, 1), padding=(2, 0), dilation=(2, 1), bias=False)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.c1(x)))
+        y = self.c3(self.c2(y))
+        return nn.functional.max_pool2d(torch.relu(y + self.c4(y)), 2)
+
+
+def _problem_key(x_shape, x_layout, w_shape, w_layout, geometry):
+    """A convolution as cuDNN's cache tells it apart: the strides of each operand, those of
+    dims of size 1 left out (a 1x1 weight is the same problem in either layout)."""
+
+    def strides(shape, layout):
+        fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+        st = torch.empty(shape, device="meta", memory_format=fmt).stride()
+        return tuple(None if n == 1 else s for n, s in zip(shape, st, strict=True))
+
+    return (
+        tuple(x_shape),
+        strides(x_shape, x_layout),
+        tuple(w_shape),
+        strides(w_shape, w_layout),
+        geometry,
+    )
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("weights", ["copy", "share"])
+def test_searched_conv_problems_are_the_ones_the_plan_runs(layout, weights, tmp_path, monkeypatch):
+    """cuDNN's algorithm search runs while the plan is built (trials.py), so the problems
+    searched must be exactly those the plan's convolution steps hand torch.conv2d (shapes,
+    memory formats, geometry): a problem missed is searched on the first run, beside the
+    plan's buffers, and one searched in vain costs a search."""
+    from middleware.backends.cuda import units as cuda_units_module
+    from middleware.backends.cuda.backend import CudaBackend
+    from middleware.passes import run_passes
+
+    searched = []
+    monkeypatch.setattr(
+        cuda_units_module,
+        "search_conv_algorithms",
+        lambda problems, device: searched.extend(problems) or 0,
+    )
+    model = _randomise_bn(ConvMix())
+    x = torch.randn(2, 3, 13, 10)
+    options = Options(
+        device="cuda",
+        cache_dir=tmp_path,
+        measure_hardware=False,
+        layout=layout,
+        cuda_weights=weights,
+    )
+    backend = CudaBackend()
+    off = tuple(backend.passes_off(options))
+    pass_options = dataclasses.replace(options, disable_passes=off)
+    graph = run_passes(middleware.trace(model, x), pass_options, FAKE_GPU)
+    graph = backend.lower(graph, options)
+    units = cuda_units(graph, options, FAKE_GPU, torch.device("cpu"), emulate=True)
+    ran = []
+    real_conv = torch.conv2d
+
+    def recording_conv(inp, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+        pair = nn.modules.utils._pair
+        lay = lambda t: "nchw" if t.is_contiguous() else "nhwc"  # noqa: E731
+        geometry = (tuple(pair(stride)), tuple(pair(padding)), tuple(pair(dilation)), groups)
+        ran.append(_problem_key(inp.shape, lay(inp), w.shape, lay(w), geometry))
+        return real_conv(inp, w, b, stride, padding, dilation, groups)
+
+    monkeypatch.setattr(torch, "conv2d", recording_conv)
+    xin = x.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else x
+    with torch.no_grad():
+        got = build_plan(graph, torch.device("cpu"), units).run([xin])
+    monkeypatch.undo()
+    torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
+    assert len(ran) >= 4
+    searched_keys = {
+        _problem_key(
+            p.x_shape,
+            p.x_layout,
+            p.w_shape,
+            p.w_layout,
+            (p.stride, p.padding, p.dilation, p.groups),
+        )
+        for p in searched
+    }
+    assert searched_keys == set(ran)
+    assert len(searched) == len(searched_keys)  # each problem once
+
+
+def test_conv_search_runs_only_where_cudnn_benchmarks(monkeypatch):
+    """No search off a CUDA device, with cuDNN off or out of benchmark mode, or with
+    ``PRETRIAL`` off: cuDNN's heuristics choose there, and nothing is timed."""
+    from middleware.backends.cuda import trials
+
+    problem = trials.ConvProblem(
+        (1, 3, 5, 5), "nchw", (4, 3, 3, 3), "nchw", "float32", (1, 1), (1, 1), (1, 1), 1
+    )
+    calls = []
+    monkeypatch.setattr(torch, "conv2d", lambda *a: calls.append(a))
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert trials.search_conv_algorithms([problem], torch.device("cpu")) == 0
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    assert trials.search_conv_algorithms([problem], torch.device("cuda")) == 0
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    monkeypatch.setattr(trials, "PRETRIAL", False)
+    assert trials.search_conv_algorithms([problem], torch.device("cuda")) == 0
+    assert calls == []

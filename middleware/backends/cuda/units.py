@@ -42,6 +42,7 @@ from .epilogue import Epilogue, conv_epilogue, make_conv, render_epilogue
 from .kernel import GeneratedKernel
 from .loader import LoadedKernel, get_loader
 from .render import RenderedKernel, render_schedule
+from .trials import conv_problems, search_conv_algorithms
 
 # The schedule's tiles play no part in a one-thread-per-output kernel (only its stages,
 # point loops and covers do): a fixed tile height skips the scheduler's search for one.
@@ -194,6 +195,16 @@ def cuda_units(
             launcher = LoadedKernel(result.read_bytes(), r.name, index, loader)
         kernels[gid] = GeneratedKernel(r, launcher)
 
+    # cuDNN's benchmark-mode search now, before the plan allocates anything (trials.py)
+    in_kernel = {name for gid in kernels for name in groups[gid]}
+    weight_layouts = {}
+    for n in graph.nodes():
+        if n.op == "conv2d" and n.name not in in_kernel:
+            ep = epilogues.get(n.name)
+            used = ep if ep is not None and ep.name() in ep_launchers else None
+            weight_layouts[n.name] = _step_weight_layout(graph, n, used, options, not emulate)
+    search_conv_algorithms(conv_problems(graph, weight_layouts), device)
+
     units: list[Unit] = []
     emitted: set[int] = set()
     for n in graph.nodes():
@@ -242,6 +253,23 @@ def _epilogues(graph: Graph, in_group: dict[str, int]) -> dict[str, Epilogue]:
         if ep is not None:
             out[n.name] = ep
     return out
+
+
+def _step_weight_layout(
+    graph: Graph, n: Node, ep: Epilogue | None, options: Options, vendor: bool
+) -> str:
+    """The layout of the weight that conv2d ``n``'s step hands cuDNN: a constant weight is
+    converted once to the output's format by a step with an epilogue (unless the plan
+    shares the model's weights) and by the vendor call of an "nhwc" output
+    (``vendor_kernel``, ``vendor``); else the weight value's own layout."""
+    w = graph.values[n.inputs[1]]
+    if n.inputs[1] not in graph.params:
+        return w.layout
+    if ep is not None:
+        return w.layout if options.cuda_weights == "share" else ep.layout
+    if vendor and graph.values[n.outputs[0]].layout == "nhwc":
+        return "nhwc"
+    return w.layout
 
 
 def _conv_weight(graph: Graph, n: Node, ep: Epilogue, device: torch.device) -> torch.Tensor | None:
