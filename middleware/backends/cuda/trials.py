@@ -5,12 +5,14 @@ With ``torch.backends.cudnn.benchmark`` on, the first call of each convolution p
 its own workspace: a transient that sets the whole process's peak GPU memory on most
 networks (H200, batch 16: resnet50 2.3 GiB above what the plan holds, vgg16 3.2 GiB).
 A plan searched on its first run does so while its weight copies, its buffers and the
-CUDA graph's captured inputs are allocated, so its peak sat 16-96 MiB above
+CUDA graph's captured inputs are allocated, so its peak sat 9-96 MiB above
 ``torch.compile(mode="reduce-overhead")``'s (bench/results/gpu_s24.md). Here each
 problem is searched once while the plan is being built, on scratch tensors of the
 problem's shapes and formats that are freed right after: the search's peak is the
 model, one convolution's input and output and the search's workspace. cuDNN keeps the
-chosen algorithm per problem, so the plan's own first run searches nothing.
+chosen algorithm per problem, so the plan's own first run searches nothing. (The
+expected effect, from that run's figures: every measured peak under reduce-overhead's.
+Not yet measured on a GPU: ``bench/gpu_memory.py``'s ``mw_graph_late`` mode is the A/B.)
 
 Nothing happens with ``benchmark`` off (cuDNN's heuristics choose without timing) or off
 a CUDA device.
