@@ -67,6 +67,16 @@ def call_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     return request.param
 
 
+@pytest.fixture(params=["c++", "python", "python-steps"])
+def any_call_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """:func:`call_path`'s two, and a plan whose steps run from Python
+    (``Options.native_runner`` off: the shortcut of ``__call__`` that a CUDA plan takes)."""
+    monkeypatch.setenv("MIDDLEWARE_NATIVE_CALL", "1" if request.param == "c++" else "0")
+    if request.param == "python-steps":
+        monkeypatch.setenv("MIDDLEWARE_NATIVE_RUNNER", "0")
+    return request.param
+
+
 def _scale(t: torch.Tensor) -> float:
     return max(1.0, float(t.detach().abs().max())) if t.numel() else 1.0
 

@@ -432,10 +432,13 @@ def test_a_skipped_computation_fails_the_check() -> None:
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
-def test_the_call_shortcut_keeps_hooks_modes_and_weights(call_path: str) -> None:
+def test_the_call_shortcut_keeps_hooks_modes_and_weights(any_call_path: str) -> None:
     """``OptimizedModule.__call__``'s shortcut to the native program (a repeated inference
-    call) steps aside for everything ``nn.Module``'s call or ``forward`` would honour:
-    hooks on the module and global ones, training mode, changed weights, other inputs."""
+    call), or to a plan whose steps run from Python, steps aside for everything
+    ``nn.Module``'s call or ``forward`` would honour: hooks on the module and global ones,
+    training mode, changed weights, other inputs."""
+    call_path = any_call_path
+    native = call_path != "python-steps"
     m, x = _mobile()
     om = middleware.optimize(m, example_inputs=(x,), measure_hardware=False)
     forwards = []
@@ -443,7 +446,8 @@ def test_the_call_shortcut_keeps_hooks_modes_and_weights(call_path: str) -> None
     om.forward = lambda *a, **k: (forwards.append(1), real_forward(*a, **k))[1]
     with torch.no_grad():
         om(x)
-        assert om.plan.native is not None and om._repeat.native is not None
+        assert (om.plan.native is not None) == native
+        assert (om._repeat.native is not None) == native
         ref = m(x)
         scale = float(ref.abs().max())
 

@@ -107,7 +107,7 @@ def test_repeated_calls_equal_eager(calls, seed) -> None:
         assert not got.requires_grad  # inference plans: outputs carry no history
 
 
-def test_a_repeat_skips_the_python_signature(monkeypatch, call_path: str) -> None:
+def test_a_repeat_skips_the_python_signature(monkeypatch, any_call_path: str) -> None:
     calls: list[int] = []
     real = module_mod.dense_signature
 
@@ -139,7 +139,7 @@ def test_a_repeat_skips_the_python_signature(monkeypatch, call_path: str) -> Non
     assert out.requires_grad == any(p.requires_grad for p in model.parameters())
 
 
-def test_copies_guard_their_own_calls(call_path: str) -> None:
+def test_copies_guard_their_own_calls(any_call_path: str) -> None:
     import copy
 
     model = Block().eval()
@@ -170,7 +170,7 @@ class _Racing(dict):
         return found
 
 
-def test_a_guard_is_never_published_for_a_forgotten_plan(call_path: str) -> None:
+def test_a_guard_is_never_published_for_a_forgotten_plan(any_call_path: str) -> None:
     """Between a call's plan lookup and its guard being published, another thread writes
     a weight, refreshes and rebuilds: the late guard must not serve the old plan (built
     from the old weight) to the calls after."""
