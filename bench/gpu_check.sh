@@ -106,8 +106,8 @@ MEM_PID=$!
 step tests 120 "$RES/tests.log" "$PY" -m pytest -q -rs -p no:cacheprovider -o addopts= \
   -m "not slow or gpu" tests/test_cuda_gpu.py tests/test_cuda_loader.py tests/test_cuda_tiles.py
 wait "$MEM_PID"
-note "== memory rc=$? (peak MiB whole process / steady state)"
-grep -A 13 "^peak allocated" "$RES/tests.log" | tail -n 14 | tee -a "$SUMMARY"
+note "== memory rc=$? (MiB: allocated peak / steady state; reserved peak / steady state)"
+grep -A 12 "peak allocated / steady" "$RES/tests.log" | tail -n 13 | tee -a "$SUMMARY"
 
 # 4. chain, and variants of its kernel (tiled / one thread per output, parts left out)
 step chain 90 "$RES/chain.log" "$PY" bench/gpu_chain.py --out "$RES/chain.json"

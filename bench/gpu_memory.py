@@ -71,6 +71,7 @@ def child(net: str, mode: str, batch: int) -> dict:
     else:
         del model_cl, x_cl
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # setup's freed blocks out of the reserved figures
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(rows, indent=1))
-    print("peak allocated / steady-state allocated; reserved peak / steady-state reserved (MiB)")
+    print("\npeak allocated / steady-state allocated; reserved peak / steady-state reserved (MiB)")
     print("| network | " + " | ".join(modes) + " |")
     for net in nets:
         cells = []

@@ -264,13 +264,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with torch.no_grad():
                     t0 = time.perf_counter()
-                    # each mode compiles a module of its own: a second torch.compile of
-                    # the same module slowed the first one's reduce-overhead calls by up to
-                    # 1.5x (H200, session 24: mobilenet_v2 1.18 -> 1.76 ms)
+                    # each mode compiles a module of its own (copied before the peak is
+                    # taken): after the default mode was compiled on the same module,
+                    # reduce-overhead's calls ran up to 1.5x slower (H200, session 24:
+                    # mobilenet_v2 1.18 -> 1.76 ms; cause not established); every pass's
+                    # timings are kept (ms_by_pass)
+                    own = copy.deepcopy(model)
                     row["peak_mib"][mode], compiled = peak_mib(
-                        lambda m=COMPILE_MODES[mode], model=model: torch.compile(
-                            copy.deepcopy(model), mode=m
-                        ),
+                        lambda m=COMPILE_MODES[mode], own=own: torch.compile(own, mode=m),
                         lambda c, x=x: (c(x), c(x), c(x)),
                     )
                     y = compiled(x).clone()

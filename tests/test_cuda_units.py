@@ -314,10 +314,8 @@ def test_shared_weights_keep_no_copy(layout, tmp_path):
     """``cuda_weights="share"``: batch norms stay unfolded (a multiply-add after the
     convolution), every convolution reads the model's own weight storage, and the plan
     still matches PyTorch; "copy" (the default) folds and copies them instead."""
-    import dataclasses
 
     from middleware.backends.cuda.backend import CudaBackend
-    from middleware.passes import run_passes
 
     model = _randomise_bn(SmallNet())
     x = torch.randn(2, 3, 12, 10)
@@ -332,12 +330,9 @@ def test_shared_weights_keep_no_copy(layout, tmp_path):
             layout=layout,
             cuda_weights=mode,
         )
-        off = backend.passes_off(options)
         shared = ("fold_batchnorm",) if mode == "share" else ()
-        assert off == ("decompose_layer_norm", "decompose_softmax", *shared)
-        passes = dataclasses.replace(options, disable_passes=off)  # as compile_graph does
-        graph = backend.lower(run_passes(middleware.trace(model, x), passes, FAKE_GPU), options)
-        units = cuda_units(graph, options, FAKE_GPU, torch.device("cpu"), emulate=True)
+        assert backend.passes_off(options) == ("decompose_layer_norm", "decompose_softmax", *shared)
+        graph, units = _as_optimize_plans_it(model, x, options)
         plan = build_plan(graph, torch.device("cpu"), units)
         held = {t.data_ptr() for t in plan._template if isinstance(t, torch.Tensor)}
         if mode == "share":
@@ -359,40 +354,49 @@ def test_cuda_weights_option_is_checked():
         Options(cuda_weights="shared")
 
 
+def _as_optimize_plans_it(model: nn.Module, x: torch.Tensor, options: Options) -> tuple:
+    """(graph, units) as optimize(device="cuda") makes them, the kernels emulated: the
+    passes less the backend's ``passes_off`` (as compile_graph does), its lowering, its
+    units."""
+    from middleware.backends.cuda.backend import CudaBackend
+    from middleware.passes import run_passes
+
+    backend = CudaBackend()
+    passes = dataclasses.replace(options, disable_passes=backend.passes_off(options))
+    graph = backend.lower(run_passes(middleware.trace(model, x), passes, FAKE_GPU), options)
+    return graph, cuda_units(graph, options, FAKE_GPU, torch.device("cpu"), emulate=True)
+
+
 class ConvMix(nn.Module):
     """Convolutions of several problems: with and without an epilogue (bias, BN, ReLU,
-    residual), strided, grouped, 1x1 (whose weight is contiguous in both formats)."""
+    residual), strided, grouped, depthwise and 1x1 (weights contiguous in both formats),
+    and a first one of one input channel (on an NCHW image in an nhwc plan)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.c0 = nn.Conv2d(1, 3, 3, padding=1)
         self.c1 = nn.Conv2d(3, 8, 3, padding=1)
         self.bn1 = nn.BatchNorm2d(8)
         self.c2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2, bias=False)
         self.c3 = nn.Conv2d(8, 12, 1)
         self.c4 = nn.Conv2d(12, 12, (3, 1), padding=(2, 0), dilation=(2, 1), bias=False)
+        self.c5 = nn.Conv2d(12, 12, 3, padding=1, groups=12)
 
     def forward(self, x):
-        y = torch.relu(self.bn1(self.c1(x)))
+        y = torch.relu(self.bn1(self.c1(self.c0(x))))
         y = self.c3(self.c2(y))
-        return nn.functional.max_pool2d(torch.relu(y + self.c4(y)), 2)
+        y = torch.relu(y + self.c4(y))
+        return nn.functional.max_pool2d(self.c5(y), 2)
 
 
-def _problem_key(x_shape, x_layout, w_shape, w_layout, geometry):
-    """A convolution as cuDNN's cache tells it apart: the strides of each operand, those of
-    dims of size 1 left out (a 1x1 weight is the same problem in either layout)."""
-
-    def strides(shape, layout):
-        fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
-        st = torch.empty(shape, device="meta", memory_format=fmt).stride()
-        return tuple(None if n == 1 else s for n, s in zip(shape, st, strict=True))
-
-    return (
-        tuple(x_shape),
-        strides(x_shape, x_layout),
-        tuple(w_shape),
-        strides(w_shape, w_layout),
-        geometry,
-    )
+def _problem_key(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, geometry: tuple) -> tuple:
+    """A convolution as cuDNN's cache tells it apart: the operands' sizes, the geometry and
+    the one memory format of the call, which both cuDNN and oneDNN take as channels_last
+    where the input's or the weight's strides suggest it: read here off the output ``y``
+    ("either" where its strides fit both)."""
+    cl = y.is_contiguous(memory_format=torch.channels_last)
+    fmt = "either" if cl and y.is_contiguous() else "nhwc" if cl else "nchw"
+    return (tuple(x.shape), tuple(w.shape), geometry, fmt)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulation")
@@ -400,12 +404,12 @@ def _problem_key(x_shape, x_layout, w_shape, w_layout, geometry):
 @pytest.mark.parametrize("weights", ["copy", "share"])
 def test_searched_conv_problems_are_the_ones_the_plan_runs(layout, weights, tmp_path, monkeypatch):
     """cuDNN's algorithm search runs while the plan is built (trials.py), so the problems
-    searched must be exactly those the plan's convolution steps hand torch.conv2d (shapes,
-    memory formats, geometry): a problem missed is searched on the first run, beside the
-    plan's buffers, and one searched in vain costs a search."""
+    searched, on the scratch tensors the search makes, must be exactly those the plan's
+    convolution steps hand torch.conv2d (sizes, geometry, the call's memory format): a
+    problem missed is searched on the first run, beside the plan's buffers, and one
+    searched in vain costs a search."""
+    from middleware.backends.cuda import trials
     from middleware.backends.cuda import units as cuda_units_module
-    from middleware.backends.cuda.backend import CudaBackend
-    from middleware.passes import run_passes
 
     searched = []
     monkeypatch.setattr(
@@ -414,7 +418,7 @@ def test_searched_conv_problems_are_the_ones_the_plan_runs(layout, weights, tmp_
         lambda problems, device: searched.extend(problems) or 0,
     )
     model = _randomise_bn(ConvMix())
-    x = torch.randn(2, 3, 13, 10)
+    x = torch.randn(2, 1, 13, 10)  # an image read as NCHW by an nhwc plan too
     options = Options(
         device="cuda",
         cache_dir=tmp_path,
@@ -422,39 +426,35 @@ def test_searched_conv_problems_are_the_ones_the_plan_runs(layout, weights, tmp_
         layout=layout,
         cuda_weights=weights,
     )
-    backend = CudaBackend()
-    off = tuple(backend.passes_off(options))
-    pass_options = dataclasses.replace(options, disable_passes=off)
-    graph = run_passes(middleware.trace(model, x), pass_options, FAKE_GPU)
-    graph = backend.lower(graph, options)
-    units = cuda_units(graph, options, FAKE_GPU, torch.device("cpu"), emulate=True)
+    graph, units = _as_optimize_plans_it(model, x, options)
     ran = []
     real_conv = torch.conv2d
+    pair = nn.modules.utils._pair
 
     def recording_conv(inp, w, b=None, stride=1, padding=0, dilation=1, groups=1):
-        pair = nn.modules.utils._pair
-        lay = lambda t: "nchw" if t.is_contiguous() else "nhwc"  # noqa: E731
+        y = real_conv(inp, w, b, stride, padding, dilation, groups)
         geometry = (tuple(pair(stride)), tuple(pair(padding)), tuple(pair(dilation)), groups)
-        ran.append(_problem_key(inp.shape, lay(inp), w.shape, lay(w), geometry))
-        return real_conv(inp, w, b, stride, padding, dilation, groups)
+        ran.append(_problem_key(inp, w, y, geometry))
+        return y
 
     monkeypatch.setattr(torch, "conv2d", recording_conv)
-    xin = x.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else x
+    xin = (
+        x.contiguous(memory_format=torch.channels_last)
+        if graph.values[graph.inputs[0]].layout == "nhwc"
+        else x
+    )
     with torch.no_grad():
         got = build_plan(graph, torch.device("cpu"), units).run([xin])
     monkeypatch.undo()
     torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
-    assert len(ran) >= 4
-    searched_keys = {
-        _problem_key(
-            p.x_shape,
-            p.x_layout,
-            p.w_shape,
-            p.w_layout,
-            (p.stride, p.padding, p.dilation, p.groups),
+    assert len(ran) >= 5
+    searched_keys = set()
+    for p in searched:
+        xs, ws = trials.scratch_operands(p, torch.device("cpu"))
+        ys = torch.conv2d(
+            xs.normal_(), ws.normal_(), None, p.stride, p.padding, p.dilation, p.groups
         )
-        for p in searched
-    }
+        searched_keys.add(_problem_key(xs, ws, ys, (p.stride, p.padding, p.dilation, p.groups)))
     assert searched_keys == set(ran)
     assert len(searched) == len(searched_keys)  # each problem once
 

@@ -150,7 +150,8 @@ class OptimizedModule(nn.Module):
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """``nn.Module``'s call, with a shortcut for the commonest one: no hooks, not
         compiled or traced (what ``nn.Module`` itself checks), inputs of the previous
-        call's kind, inference, current weights and a plan that runs as one C call. It
+        call's kind, inference, current weights and a plan that runs as one C call (or
+        whose steps run from Python, below). It
         takes four Python frames and the gradient-mode switch fewer than ``forward``'s
         path: 35-60 us on a cold cache (the previous layer's data evicted the
         interpreter's), a tenth of a 22 MB fused kernel's time. The call after it that

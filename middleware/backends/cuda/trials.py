@@ -10,9 +10,12 @@ CUDA graph's captured inputs are allocated, so its peak sat 9-96 MiB above
 problem is searched once while the plan is being built, on scratch tensors of the
 problem's shapes and formats that are freed right after: the search's peak is the
 model, one convolution's input and output and the search's workspace. cuDNN keeps the
-chosen algorithm per problem, so the plan's own first run searches nothing. (The
-expected effect, from that run's figures: every measured peak under reduce-overhead's.
-Not yet measured on a GPU: ``bench/gpu_memory.py``'s ``mw_graph_late`` mode is the A/B.)
+chosen algorithm per problem (per thread, keyed by sizes, memory format and pointer
+alignment), so the plan's own first run, in the thread that built it, finds them there.
+Not covered: string padding ("same"), and batch-sliced plans whose slices start at offsets
+of another alignment. (The expected effect, from that run's figures: every measured peak
+under reduce-overhead's. Not yet measured on a GPU: ``bench/gpu_memory.py``'s
+``mw_graph_late`` mode is the A/B.)
 
 Nothing happens with ``benchmark`` off (cuDNN's heuristics choose without timing) or off
 a CUDA device.
@@ -74,29 +77,46 @@ def conv_problems(graph: Graph, weight_layouts: dict[str, str]) -> list[ConvProb
     return list(out)
 
 
+def scratch_operands(p: ConvProblem, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised input and weight of problem ``p``, with the strides the plan's own
+    tensors have: an activation allocated in its layout (as the plan's buffers and the
+    kernels' outputs are), a weight made contiguous in its layout (as ``to_tensor`` makes
+    a constant: on a weight of one input channel, or 1x1, ``.contiguous(memory_format=
+    channels_last)`` keeps the default strides, and cuDNN keys a problem by the memory
+    format the operands' strides suggest)."""
+    dtype = torch_dtype(p.dtype)
+    x = torch.empty(p.x_shape, dtype=dtype, device=device, memory_format=_format(p.x_layout))
+    w = torch.empty(p.w_shape, dtype=dtype, device=device)
+    return x, w.contiguous(memory_format=_format(p.w_layout))
+
+
 def search_conv_algorithms(problems: list[ConvProblem], device: torch.device) -> int:
     """Run each problem once on scratch tensors (cuDNN searches and caches its algorithm),
     freeing them before the next; returns how many ran (0: ``PRETRIAL`` off, not a CUDA
-    device, cuDNN off or not in benchmark mode)."""
+    device, cuDNN missing, off or not in benchmark mode). A problem that fails here (out
+    of memory for its scratch tensors, say) is left to the plan's first run, as before;
+    autocast is off (the plan runs its convolutions in their own dtype)."""
+    cudnn = torch.backends.cudnn
     if (
         not PRETRIAL
         or device.type != "cuda"
-        or not torch.backends.cudnn.enabled
-        or not torch.backends.cudnn.benchmark
+        or not cudnn.is_available()
+        or not cudnn.enabled
+        or not cudnn.benchmark
     ):
         return 0
-    with torch.no_grad():
+    ran = 0
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
         for p in problems:
-            dtype = torch_dtype(p.dtype)
-            x = torch.empty(
-                p.x_shape, dtype=dtype, device=device, memory_format=_format(p.x_layout)
-            )
-            w = torch.empty(
-                p.w_shape, dtype=dtype, device=device, memory_format=_format(p.w_layout)
-            )
-            torch.conv2d(x, w, None, p.stride, p.padding, p.dilation, p.groups)
-            del x, w
-    return len(problems)
+            try:
+                x, w = scratch_operands(p, device)
+                torch.conv2d(x, w, None, p.stride, p.padding, p.dilation, p.groups)
+                ran += 1
+            except Exception:  # noqa: BLE001 - only a head start: the first run searches
+                pass
+            finally:
+                x = w = None  # noqa: F841 - freed before the next problem's
+    return ran
 
 
 def _format(layout: str) -> torch.memory_format:
