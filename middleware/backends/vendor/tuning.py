@@ -178,6 +178,8 @@ class Session:
     def tuned(self, seconds: float, label: str) -> None:
         """One layer done (``seconds`` of it spent timing; 0 where nothing was timed)."""
         self.spent_s += seconds
+        with _LOCK:
+            _SPENT[0] += seconds
         self.done += 1
         if self._bar is None and self.layers > PROGRESS_AFTER and self.done < self.layers:
             from tqdm.auto import tqdm
@@ -193,6 +195,16 @@ class Session:
 
 
 PROGRESS_AFTER = 3
+_SPENT = [0.0]  # seconds this process's sessions spent tuning layers
+
+
+def seconds_spent() -> float:
+    """Seconds every tuning session of this process has spent on its layers so far (the
+    difference over a compile is what that compile spent, its kernels' compilation not
+    counted)."""
+    with _LOCK:
+        return _SPENT[0]
+
 _SESSIONS: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()
 
 
