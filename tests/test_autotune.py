@@ -270,15 +270,15 @@ def test_autotune_respects_the_memory_cap(monkeypatch, tmp_path):
     assert {r.algorithm for r in opt.report().rows if r.op == "conv2d"} == {"vendor"}
 
 
-def _optimized_report(tmp_path, selector):
-    """The test model optimized with ``selector`` for conv2d, checked against the
-    original; its report."""
+def _optimized_report(tmp_path, selector, **options):
+    """The test model optimized with ``selector`` for conv2d (and ``options``), checked
+    against the original; its report."""
     m = _ns["make"]()
     torch.manual_seed(1)
     x = torch.randn(2, 3, 12, 10)
     opt = middleware.optimize(
         m, example_inputs=[x], cache_dir=tmp_path, measure_hardware=False,
-        algorithms={"conv2d": selector},
+        algorithms={"conv2d": selector}, **options,
     )  # fmt: skip
     with torch.inference_mode():
         _close(opt(x), m(x))
@@ -808,14 +808,6 @@ def test_building_the_plan_does_not_spend_the_tuning_budget(monkeypatch, tmp_pat
 
     monkeypatch.setattr(pipeline, "compile_graph", long_build)
     monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jump[0])
-    m = _ns["make"]()
-    x = torch.randn(2, 3, 12, 10)
-    opt = middleware.optimize(
-        m, example_inputs=[x], cache_dir=tmp_path, measure_hardware=False,
-        algorithms={"conv2d": "autotune"}, tune_budget_s=60.0,
-    )  # fmt: skip
-    monkeypatch.undo()
-    with torch.inference_mode():
-        _close(opt(x), m(x))
-    note = next(n for n in opt.report().notes if n.startswith("network-level choice"))
+    report = _optimized_report(tmp_path, "autotune", tune_budget_s=60.0)
+    note = next(n for n in report.notes if n.startswith("network-level choice"))
     assert "default best of 2 plans" in note, note
