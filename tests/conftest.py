@@ -63,18 +63,21 @@ def _native_call(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 def call_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run the test with the optimized module's call as one C++ function, and again with
     the Python shortcut (``Options.native_call``'s default, read when optimize() runs)."""
-    monkeypatch.setenv("MIDDLEWARE_NATIVE_CALL", "1" if request.param == "c++" else "0")
-    return request.param
+    return _set_call_path(request.param, monkeypatch)
 
 
 @pytest.fixture(params=["c++", "python", "python-steps"])
 def any_call_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """:func:`call_path`'s two, and a plan whose steps run from Python
     (``Options.native_runner`` off: the shortcut of ``__call__`` that a CUDA plan takes)."""
-    monkeypatch.setenv("MIDDLEWARE_NATIVE_CALL", "1" if request.param == "c++" else "0")
-    if request.param == "python-steps":
+    return _set_call_path(request.param, monkeypatch)
+
+
+def _set_call_path(path: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("MIDDLEWARE_NATIVE_CALL", "1" if path == "c++" else "0")
+    if path == "python-steps":
         monkeypatch.setenv("MIDDLEWARE_NATIVE_RUNNER", "0")
-    return request.param
+    return path
 
 
 def _scale(t: torch.Tensor) -> float:

@@ -233,7 +233,7 @@ def cuda_units(
         ep = epilogues.get(n.name)
         if runs_as == RunsAs.VENDOR and ep is not None and ep.name() in ep_launchers:
             # cuda_weights="share": the plan's constant (the model's own weight) serves
-            weight = None if options.cuda_weights == "share" else _conv_weight(graph, n, ep, device)
+            weight = _conv_weight(graph, n, ep, options, device)
             fn = make_conv(n, ep, ep_launchers[ep.name()], hardware, weight)
             reason = "cuDNN convolution + generated epilogue (" + ep.name() + ")"
         elif runs_as == RunsAs.VENDOR and vendor_kernel is not None and not emulate:
@@ -272,14 +272,17 @@ def _step_weight_layout(
     return w.layout
 
 
-def _conv_weight(graph: Graph, n: Node, ep: Epilogue, device: torch.device) -> torch.Tensor | None:
-    """A constant weight, once, in the output's memory format (else PyTorch would convert
-    it at every call); None when the weight is not a graph parameter."""
-    arr = graph.params.get(n.inputs[1])
-    if arr is None or graph.values[n.inputs[1]].layout == ep.layout:
-        return None  # the plan's own constant is already in the output's format
-    w = to_tensor(arr, device)
-    return w.contiguous(memory_format=torch.channels_last) if ep.layout == "nhwc" else w
+def _conv_weight(
+    graph: Graph, n: Node, ep: Epilogue, options: Options, device: torch.device
+) -> torch.Tensor | None:
+    """A constant weight, once, in the layout ``_step_weight_layout`` gives it (the
+    output's memory format, else PyTorch would convert it at every call); None where that
+    is the weight value's own layout (the plan's constant, or the model's own weight with
+    ``cuda_weights="share"``) or the weight is not a graph parameter."""
+    layout = _step_weight_layout(graph, n, ep, options, vendor=False)
+    if layout == graph.values[n.inputs[1]].layout:
+        return None
+    return to_tensor(graph.params[n.inputs[1]], device, layout)
 
 
 def order_units(units: Sequence[Unit]) -> list[Unit]:
